@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Makes a fresh Debian machine ready: Bazel (Debian's bazel-bootstrap), bubblewrap for the
+# sandboxes, and the project's .venv with the pinned requirements. Idempotent and quick when done.
+#
+#   scripts/bootstrap.sh          runtime requirements
+#   scripts/bootstrap.sh --test   runtime and test requirements
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+want_test=0
+[[ "${1:-}" == "--test" ]] && want_test=1
+
+sudo_cmd=()
+if [[ "$(id -u)" != 0 ]] && command -v sudo >/dev/null; then sudo_cmd=(sudo); fi
+
+missing=()
+command -v bazel >/dev/null || missing+=(bazel-bootstrap)
+command -v bwrap >/dev/null || missing+=(bubblewrap)
+if ! python3 -c 'import venv, ensurepip' 2>/dev/null; then missing+=(python3-venv); fi
+if (( ${#missing[@]} )); then
+  echo "bootstrap: installing ${missing[*]} with apt-get"
+  "${sudo_cmd[@]}" apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+req=requirements.txt
+(( want_test )) && req=requirements-test.txt
+stamp=".venv/.installed-$(cat requirements.txt requirements-test.txt | sha256sum | cut -c1-16)-$want_test"
+if [[ ! -f "$stamp" ]]; then
+  [[ -x .venv/bin/python3 ]] || python3 -m venv .venv
+  echo "bootstrap: installing $req into .venv"
+  .venv/bin/python3 -m pip install -q --disable-pip-version-check -r "$req"
+  rm -f .venv/.installed-*
+  touch "$stamp"
+  # A test install also satisfies the runtime one.
+  (( want_test )) && touch "${stamp%-1}-0"
+fi
+echo "bootstrap: ready"
