@@ -1,0 +1,94 @@
+"""Grouped-query attention with RoPE, optional per-head QK-norm, packing and a KV cache.
+
+Two modes share one code path:
+  * no cache (training / full forward): keys are the sequence itself; a key is visible to a query
+    when it comes no later in the row and carries the same segment id (so packed episodes never
+    attend to each other);
+  * with a cache (sampling): new keys/values are written into a per-row cache at their absolute
+    positions, and a query sees every cache entry at a position <= its own. Entries past a row's
+    current position may hold stale values from an earlier occupant of the slot; the causal mask
+    hides them until they are overwritten, which lets the sampler reuse slots without clearing.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moe import layers
+from moe.config import ModelConfig
+
+_NEG_INF = -1e30
+
+
+class Attention(nnx.Module):
+  """Multi-head attention with num_kv_heads key/value heads shared by groups of query heads."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    d, h, kv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+    pd = cfg.jnp_param_dtype
+    std = cfg.init_std
+    self.num_heads, self.num_kv_heads, self.head_dim = h, kv, hd
+    self.rope_theta = cfg.rope_theta
+    self.dtype = cfg.jnp_dtype
+    self.q = layers.param(rngs, (d, h, hd), ("embed", "heads", "head_dim"), std=std, dtype=pd)
+    self.k = layers.param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), std=std, dtype=pd)
+    self.v = layers.param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), std=std, dtype=pd)
+    self.o = layers.param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), std=std, dtype=pd)
+    if cfg.qk_norm:
+      self.q_norm = layers.RMSNorm(hd, eps=cfg.rms_norm_eps, param_dtype=pd,
+                                   logical_axis="head_dim")
+      self.k_norm = layers.RMSNorm(hd, eps=cfg.rms_norm_eps, param_dtype=pd,
+                                   logical_axis="head_dim")
+    else:
+      self.q_norm = self.k_norm = None
+
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array],
+               cache: Optional[tuple[jax.Array, jax.Array]] = None):
+    """Returns (output [B, T, D], updated (k, v) cache or None).
+
+    Args:
+      x: [B, T, D] activations.
+      positions: [B, T] absolute positions (RoPE, and cache slots when caching).
+      segment_ids: [B, T] packing segments (no-cache mode only); None means one segment per row.
+      cache: optional (k, v), each [B, S, num_kv_heads, head_dim].
+    """
+    dt = self.dtype
+    x = x.astype(dt)
+    q = jnp.einsum("btd,dhk->bthk", x, self.q.get_value().astype(dt))
+    k = jnp.einsum("btd,dhk->bthk", x, self.k.get_value().astype(dt))
+    v = jnp.einsum("btd,dhk->bthk", x, self.v.get_value().astype(dt))
+    if self.q_norm is not None:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q = layers.rope(q, positions, self.rope_theta)
+    k = layers.rope(k, positions, self.rope_theta)
+
+    b, t = x.shape[:2]
+    if cache is None:
+      keys, values, new_cache = k, v, None
+      idx = jnp.arange(t)
+      mask = idx[None, None, :] <= idx[None, :, None]  # [1, T, S]
+      if segment_ids is not None:
+        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    else:
+      ck, cv = cache
+      rows = jnp.arange(b)[:, None]
+      keys = ck.at[rows, positions].set(k.astype(ck.dtype), mode="drop")
+      values = cv.at[rows, positions].set(v.astype(cv.dtype), mode="drop")
+      new_cache = (keys, values)
+      mask = jnp.arange(ck.shape[1])[None, None, :] <= positions[:, :, None]  # [B, T, S]
+
+    g = self.num_heads // self.num_kv_heads
+    qg = q.reshape(b, t, self.num_kv_heads, g, self.head_dim)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys.astype(dt),
+                        preferred_element_type=jnp.float32)
+    scores = scores * (self.head_dim ** -0.5)
+    scores = jnp.where(mask[:, None, None, :, :], scores, _NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, values.astype(dt))
+    out = out.reshape(b, t, self.num_heads, self.head_dim)
+    y = jnp.einsum("bthk,hkd->btd", out, self.o.get_value().astype(dt))
+    return y, new_cache
