@@ -1,0 +1,360 @@
+"""Delta blobs between two versions of flat weights: `encode`, `decode`, `DeltaError`.
+
+What: the public interface of weight-sync compression.
+
+    from sync import delta
+    blob = delta.encode(base, new)        # base/new: dict name -> np.ndarray
+    rebuilt = delta.decode(base, blob)    # bit-identical to `new`, or raises delta.DeltaError
+
+`encode_to` / `decode_stream` are the streaming forms (a writable sink / a readable source);
+`encode` and `decode` are thin wrappers over them, so every path is measured through the same
+code. Work is split into fixed-size chunks (`weights.CHUNK_ELEMS` elements) that a thread pool
+encodes or decodes in parallel (numpy, zstd and xxhash release the GIL) with a bounded window of
+chunks in flight, so memory stays at base + new + O(workers) chunks.
+
+Blob layout (little-endian):
+  header:  MAGIC, u32 length, JSON {format, chunk_elems, tensors: [[name, dtype, shape, raw]]}
+  records: one per chunk, in header order: u32 tensor, u32 chunk, u8 kind, 3 pad,
+           u64 payload length, u64 xxh3 of the base chunk, u64 xxh3 of the rebuilt chunk,
+           u32 xxh32 of those 36 bytes; then the payload (see `codec`).
+  trailer: END_MAGIC, u64 record count, 32-char parent digest, 32-char new digest, u32 xxh32.
+
+Why these checks: the record-header checksum and strict (tensor, chunk) order reject damaged,
+reordered or spliced records; zstd's frame checksum rejects damaged payloads; the hash of every
+rebuilt chunk rejects a wrong base (a "foreign" delta) without hashing the base in the happy
+path; the trailer rejects truncation and proves the result is version `digest`.
+"""
+
+from collections.abc import Mapping
+import concurrent.futures
+import dataclasses
+import io
+import json
+import os
+import struct
+import threading
+import time
+
+import numpy as np
+import xxhash
+import zstandard
+
+from sync import codec
+from sync import weights
+
+MAGIC = b"SYNCDLT1"
+END_MAGIC = b"SYNCEND1"
+FORMAT = 1
+_LEN = struct.Struct("<I")
+_REC = struct.Struct("<IIB3xQQQ")
+_CHECK = struct.Struct("<I")
+_TRAILER = struct.Struct("<Q32s32s")
+_MAX_HEADER = 1 << 28
+
+
+class DeltaError(ValueError):
+  """A blob is damaged, truncated, reordered, or does not apply to the given base."""
+
+
+@dataclasses.dataclass
+class Stats:
+  """What one encode or decode did."""
+  raw_bytes: int = 0  # bytes of the new weights
+  blob_bytes: int = 0
+  changed: int = 0  # changed elements (encode only)
+  elements: int = 0
+  chunks: dict = dataclasses.field(default_factory=dict)  # kind name -> count
+  seconds: float = 0.0
+  parent_digest: str = ""
+  digest: str = ""
+
+  @property
+  def ratio(self) -> float:
+    return self.raw_bytes / max(1, self.blob_bytes)
+
+
+def _workers(workers):
+  return workers or min(8, os.cpu_count() or 1)
+
+
+class _Local(threading.local):
+
+  def __init__(self, level):
+    super().__init__()
+    self.cctx = zstandard.ZstdCompressor(level=level, write_checksum=True,
+                                         write_content_size=True)
+    self.dctx = zstandard.ZstdDecompressor()
+
+
+def _ordered(pool, fn, items, window):
+  """pool.map with at most `window` tasks in flight (bounded memory), results in order."""
+  pending = []
+  for item in items:
+    pending.append(pool.submit(fn, item))
+    if len(pending) >= window:
+      yield pending.pop(0).result()
+  for f in pending:
+    yield f.result()
+
+
+def _header_bytes(tensors, chunk_elems) -> bytes:
+  head = json.dumps({"format": FORMAT, "chunk_elems": chunk_elems, "tensors": tensors},
+                    separators=(",", ":")).encode()
+  return MAGIC + _LEN.pack(len(head)) + head
+
+
+def encode_to(sink, base: Mapping[str, np.ndarray], new: Mapping[str, np.ndarray], *,
+              chunk_elems: int = weights.CHUNK_ELEMS, level: int = 1, workers=None,
+              parent_digest: str | None = None) -> Stats:
+  """Streams the delta from `base` to `new` into `sink` (anything with `.write(bytes)`).
+
+  Args:
+    sink: receives the blob in order, one record at a time.
+    base: the parent version (name -> array). Tensors of `new` missing from `base` or with a
+      different dtype/shape are stored whole (RAW); tensors only in `base` are dropped.
+    new: the version to encode.
+    chunk_elems: elements per chunk (<= codec.MAX_CHUNK_ELEMS).
+    level: zstd level; 1 is the speed/ratio sweet spot here.
+    workers: threads (default: cores, at most 8).
+    parent_digest: `weights.digest(base)` when the caller already knows it (saves one hash
+      pass over the base).
+
+  Returns:
+    Stats, including both digests.
+  """
+  if not 0 < chunk_elems <= codec.MAX_CHUNK_ELEMS:
+    raise ValueError(f"chunk_elems must be in (0, {codec.MAX_CHUNK_ELEMS}]")
+  t0 = time.perf_counter()
+  stats = Stats()
+  names = sorted(new)
+  tensors, jobs = [], []
+  for ti, name in enumerate(names):
+    arr = np.asarray(new[name])
+    b = base.get(name)
+    raw = b is None or np.asarray(b).dtype != arr.dtype or np.asarray(b).shape != arr.shape
+    tensors.append([name, weights.dtype_name(arr.dtype), list(arr.shape), raw])
+    nw = weights.words(arr)
+    bw = None if raw else weights.words(np.asarray(b))
+    stats.raw_bytes += arr.nbytes
+    stats.elements += arr.size
+    for ci, (start, stop) in enumerate(weights.chunk_bounds(nw.size, chunk_elems)):
+      jobs.append((ti, ci, None if bw is None else bw[start:stop], nw[start:stop]))
+  local = _Local(level)
+
+  def work(job):
+    ti, ci, b, n = job
+    kind, payload, nnz = codec.encode_chunk(b, n, local.cctx)
+    bh = 0 if b is None else weights.chunk_hash(b)
+    return ti, ci, kind, payload, nnz, bh, weights.chunk_hash(n)
+
+  header = _header_bytes(tensors, chunk_elems)
+  sink.write(header)
+  written = len(header)
+  dig = weights.Digester()
+  last_ti = -1
+  nrec = 0
+  w = _workers(workers)
+  with concurrent.futures.ThreadPoolExecutor(w) as pool:
+    pdig = pool.submit(weights.digest, base, chunk_elems) if parent_digest is None else None
+    for ti, ci, kind, payload, nnz, bh, nh in _ordered(pool, work, jobs, 2 * w):
+      if ti != last_ti:
+        dig.tensor(*tensors[ti][:3])
+        last_ti = ti
+      dig.chunk(nh)
+      rec = _REC.pack(ti, ci, kind, len(payload), bh, nh)
+      sink.write(rec + _CHECK.pack(xxhash.xxh32_intdigest(rec)))
+      sink.write(payload)
+      written += _REC.size + _CHECK.size + len(payload)
+      nrec += 1
+      stats.changed += nnz
+      k = codec.KIND_NAMES[kind]
+      stats.chunks[k] = stats.chunks.get(k, 0) + 1
+    parent_digest = parent_digest if pdig is None else pdig.result()
+  stats.parent_digest, stats.digest = parent_digest, dig.hexdigest()
+  tail = _TRAILER.pack(nrec, stats.parent_digest.encode(), stats.digest.encode())
+  sink.write(END_MAGIC + tail + _CHECK.pack(xxhash.xxh32_intdigest(tail)))
+  stats.blob_bytes = written + len(END_MAGIC) + len(tail) + _CHECK.size
+  stats.seconds = time.perf_counter() - t0
+  return stats
+
+
+def encode(base: Mapping[str, np.ndarray], new: Mapping[str, np.ndarray], **kw) -> bytes:
+  """The delta blob that turns `base` into `new` (see `encode_to` for keyword arguments)."""
+  buf = io.BytesIO()
+  encode_to(buf, base, new, **kw)
+  return buf.getvalue()
+
+
+class _Reader:
+  """Exact reads from a file-like source or a bytes-like blob; short reads raise DeltaError."""
+
+  def __init__(self, source):
+    if isinstance(source, (bytes, bytearray, memoryview)):
+      self._mv, self._pos, self._f = memoryview(source).cast("B"), 0, None
+    else:
+      self._mv, self._f = None, source
+
+  def read(self, n: int):
+    if self._mv is not None:
+      out = self._mv[self._pos:self._pos + n]
+      self._pos += len(out)
+    else:
+      out = self._f.read(n)
+    if len(out) != n:
+      raise DeltaError("blob is truncated")
+    return out
+
+  def at_end(self) -> bool:
+    if self._mv is not None:
+      return self._pos == len(self._mv)
+    return not self._f.read(1)
+
+
+def _read_header(reader) -> dict:
+  if bytes(reader.read(len(MAGIC))) != MAGIC:
+    raise DeltaError("not a delta blob (bad magic)")
+  (n,) = _LEN.unpack(reader.read(_LEN.size))
+  if n > _MAX_HEADER:
+    raise DeltaError("header too large")
+  try:
+    head = json.loads(bytes(reader.read(n)))
+    if head["format"] != FORMAT:
+      raise DeltaError(f"unsupported format {head['format']}")
+    if not 0 < head["chunk_elems"] <= codec.MAX_CHUNK_ELEMS:
+      raise DeltaError("bad chunk_elems")
+    for name, dt, shape, raw in head["tensors"]:
+      weights.dtype_from_name(dt)
+      if not (isinstance(name, str) and isinstance(raw, bool) and all(
+          isinstance(d, int) and d >= 0 for d in shape)):
+        raise DeltaError("bad tensor entry")
+  except (ValueError, KeyError, TypeError) as e:
+    raise DeltaError(f"bad header: {e}") from e
+  return head
+
+
+def read_header(blob) -> dict:
+  """The blob's JSON header (format, chunk_elems, tensors)."""
+  return _read_header(_Reader(blob))
+
+
+def read_trailer(blob) -> tuple[str, str]:
+  """(parent digest, new digest) from a complete in-memory blob, without decoding it."""
+  mv = memoryview(blob).cast("B")
+  n = len(END_MAGIC) + _TRAILER.size + _CHECK.size
+  if len(mv) < n or bytes(mv[-n:-n + len(END_MAGIC)]) != END_MAGIC:
+    raise DeltaError("blob is truncated (no trailer)")
+  tail = bytes(mv[-n + len(END_MAGIC):-_CHECK.size])
+  if _CHECK.unpack(mv[-_CHECK.size:])[0] != xxhash.xxh32_intdigest(tail):
+    raise DeltaError("trailer checksum mismatch")
+  _, parent, digest = _TRAILER.unpack(tail)
+  return parent.decode(), digest.decode()
+
+
+def decode_stream(base: Mapping[str, np.ndarray], source, *, workers=None,
+                  expect_parent: str | None = None):
+  """Rebuilds the new version from `base` and a blob read from `source`.
+
+  Args:
+    base: the parent version; never modified.
+    source: bytes-like blob, or a file-like object with `.read(n)`, consumed in order.
+    workers: threads (default: cores, at most 8).
+    expect_parent: if given, the blob's parent digest must equal it.
+
+  Returns:
+    (flat dict of new arrays, Stats).
+
+  Raises:
+    DeltaError: on any damage, truncation, reordering, or a base that is not the parent.
+  """
+  t0 = time.perf_counter()
+  reader = _Reader(source)
+  head = _read_header(reader)
+  chunk_elems = head["chunk_elems"]
+  tensors = head["tensors"]
+  stats = Stats()
+  outs, bases, expected = [], [], []
+  for name, dt, shape, raw in tensors:
+    dtype = weights.dtype_from_name(dt)
+    out = np.empty(shape, dtype)
+    outs.append(out)
+    if raw:
+      bases.append(None)
+    else:
+      b = base.get(name)
+      if b is None or np.asarray(b).dtype != dtype or tuple(np.asarray(b).shape) != tuple(shape):
+        raise DeltaError(f"base does not fit the delta at tensor {name!r} "
+                         f"(want {dt}{tuple(shape)})")
+      bases.append(weights.words(np.asarray(b)))
+    for ci, _ in enumerate(weights.chunk_bounds(out.size, chunk_elems)):
+      expected.append((len(outs) - 1, ci))
+    stats.raw_bytes += out.nbytes
+    stats.elements += out.size
+  local = _Local(1)
+  outw = [weights.words(o) for o in outs]
+
+  def records():
+    for ti, ci in expected:
+      rec = reader.read(_REC.size)
+      (check,) = _CHECK.unpack(reader.read(_CHECK.size))
+      if check != xxhash.xxh32_intdigest(rec):
+        raise DeltaError(f"record header checksum mismatch at tensor {ti} chunk {ci}")
+      rti, rci, kind, plen, bh, nh = _REC.unpack(rec)
+      if (rti, rci) != (ti, ci):
+        raise DeltaError(f"records out of order: got ({rti},{rci}), want ({ti},{ci})")
+      if plen > 2 * chunk_elems * outw[ti].itemsize + 1024:
+        raise DeltaError("payload length is implausible")
+      payload = bytes(reader.read(plen))
+      yield ti, ci, kind, payload, bh, nh
+
+  def work(item):
+    ti, ci, kind, payload, bh, nh = item
+    start = ci * chunk_elems
+    stop = min(outw[ti].size, start + chunk_elems)
+    o = outw[ti][start:stop]
+    b = None if bases[ti] is None else bases[ti][start:stop]
+    if b is None and kind != codec.RAW:
+      raise DeltaError(f"tensor {tensors[ti][0]!r} has no base but chunk kind {kind}")
+    try:
+      codec.decode_chunk(kind, payload, b, o, local.dctx)
+    except codec.CodecError as e:
+      raise DeltaError(f"tensor {tensors[ti][0]!r} chunk {ci}: {e}") from e
+    if weights.chunk_hash(o) != nh:
+      if b is not None and weights.chunk_hash(b) != bh:
+        raise DeltaError(f"base does not match the delta's parent at tensor "
+                         f"{tensors[ti][0]!r} chunk {ci} (foreign or out-of-order delta)")
+      raise DeltaError(f"rebuilt chunk hash mismatch at tensor {tensors[ti][0]!r} chunk {ci}")
+    return ti, kind, nh
+
+  dig = weights.Digester()
+  last_ti = -1
+  w = _workers(workers)
+  with concurrent.futures.ThreadPoolExecutor(w) as pool:
+    for ti, kind, nh in _ordered(pool, work, records(), 2 * w):
+      if ti != last_ti:
+        dig.tensor(*tensors[ti][:3])
+        last_ti = ti
+      dig.chunk(nh)
+      k = codec.KIND_NAMES.get(kind, str(kind))
+      stats.chunks[k] = stats.chunks.get(k, 0) + 1
+  if bytes(reader.read(len(END_MAGIC))) != END_MAGIC:
+    raise DeltaError("blob is truncated or has extra records (no trailer)")
+  tail = bytes(reader.read(_TRAILER.size))
+  if _CHECK.unpack(reader.read(_CHECK.size))[0] != xxhash.xxh32_intdigest(tail):
+    raise DeltaError("trailer checksum mismatch")
+  nrec, parent, digest = _TRAILER.unpack(tail)
+  stats.parent_digest, stats.digest = parent.decode(), digest.decode()
+  if nrec != len(expected):
+    raise DeltaError("record count mismatch")
+  if stats.digest != dig.hexdigest():
+    raise DeltaError("version digest mismatch")
+  if expect_parent is not None and stats.parent_digest != expect_parent:
+    raise DeltaError("delta's parent is not the expected version")
+  if not reader.at_end():
+    raise DeltaError("trailing bytes after the trailer")
+  stats.seconds = time.perf_counter() - t0
+  return {t[0]: o for t, o in zip(tensors, outs)}, stats
+
+
+def decode(base: Mapping[str, np.ndarray], blob, **kw) -> dict[str, np.ndarray]:
+  """The new version rebuilt bit-exactly from `base` and `blob`; raises DeltaError."""
+  return decode_stream(base, blob, **kw)[0]
