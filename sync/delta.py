@@ -15,12 +15,14 @@ chunks in flight, so memory stays at base + new + O(workers) chunks.
 Blob layout (little-endian):
   header:  MAGIC, u32 length, JSON {format, chunk_elems, tensors: [[name, dtype, shape, raw]]}
   records: one per chunk, in header order: u32 tensor, u32 chunk, u8 kind, 3 pad,
-           u64 payload length, u64 xxh3 of the base chunk, u64 xxh3 of the rebuilt chunk,
-           u32 xxh32 of those 36 bytes; then the payload (see `codec`).
+           u64 payload length, u64 xxh3 of the payload, u64 xxh3 of the base chunk,
+           u64 xxh3 of the rebuilt chunk, u32 xxh32 of those 44 bytes; then the payload
+           (see `codec`).
   trailer: END_MAGIC, u64 record count, 32-char parent digest, 32-char new digest, u32 xxh32.
 
 Why these checks: the record-header checksum and strict (tensor, chunk) order reject damaged,
-reordered or spliced records; zstd's frame checksum rejects damaged payloads; the hash of every
+reordered or spliced records; the payload hash rejects any damaged payload byte (even one that
+zstd would decode to the right values: damage means the transport is broken); the hash of every
 rebuilt chunk rejects a wrong base (a "foreign" delta) without hashing the base in the happy
 path; the trailer rejects truncation and proves the result is version `digest`.
 """
@@ -46,7 +48,7 @@ MAGIC = b"SYNCDLT1"
 END_MAGIC = b"SYNCEND1"
 FORMAT = 1
 _LEN = struct.Struct("<I")
-_REC = struct.Struct("<IIB3xQQQ")
+_REC = struct.Struct("<IIB3xQQQQ")
 _CHECK = struct.Struct("<I")
 _TRAILER = struct.Struct("<Q32s32s")
 _MAX_HEADER = 1 << 28
@@ -161,7 +163,7 @@ def encode_to(sink, base: Mapping[str, np.ndarray], new: Mapping[str, np.ndarray
         dig.tensor(*tensors[ti][:3])
         last_ti = ti
       dig.chunk(nh)
-      rec = _REC.pack(ti, ci, kind, len(payload), bh, nh)
+      rec = _REC.pack(ti, ci, kind, len(payload), weights.xxh(payload), bh, nh)
       sink.write(rec + _CHECK.pack(xxhash.xxh32_intdigest(rec)))
       sink.write(payload)
       written += _REC.size + _CHECK.size + len(payload)
@@ -298,12 +300,14 @@ def decode_stream(base: Mapping[str, np.ndarray], source, *, workers=None,
       (check,) = _CHECK.unpack(reader.read(_CHECK.size))
       if check != xxhash.xxh32_intdigest(rec):
         raise DeltaError(f"record header checksum mismatch at tensor {ti} chunk {ci}")
-      rti, rci, kind, plen, bh, nh = _REC.unpack(rec)
+      rti, rci, kind, plen, ph, bh, nh = _REC.unpack(rec)
       if (rti, rci) != (ti, ci):
         raise DeltaError(f"records out of order: got ({rti},{rci}), want ({ti},{ci})")
       if plen > 2 * chunk_elems * outw[ti].itemsize + 1024:
         raise DeltaError("payload length is implausible")
       payload = bytes(reader.read(plen))
+      if weights.xxh(payload) != ph:
+        raise DeltaError(f"payload checksum mismatch at tensor {ti} chunk {ci}")
       yield ti, ci, kind, payload, bh, nh
 
   def work(item):

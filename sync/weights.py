@@ -59,6 +59,11 @@ def chunk_hash(w: np.ndarray) -> int:
   return xxhash.xxh3_64_intdigest(memoryview(w).cast("B")) if w.size else 0
 
 
+def xxh(data) -> int:
+  """xxh3-64 of a bytes-like object."""
+  return xxhash.xxh3_64_intdigest(data)
+
+
 class Digester:
   """Builds a version digest from tensor headers and chunk hashes, in sorted-name order."""
 

@@ -1,0 +1,175 @@
+"""Tests for the public delta interface: bit-exact round trips and rejection of bad blobs."""
+
+import io
+import struct
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from sync import delta
+from sync import synthetic
+from sync import weights
+
+BF16 = ml_dtypes.bfloat16
+
+
+def _same_bits(a: dict, b: dict) -> bool:
+  return a.keys() == b.keys() and all(
+      a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and
+      np.array_equal(weights.words(a[k]), weights.words(b[k])) for k in a)
+
+
+def _pair(seed=0, frac=0.04):
+  master = synthetic.init_master({"a/w": (300, 700), "a/b": (700,), "c": (3, 5, 7)}, seed)
+  base = synthetic.cast(master)
+  synthetic.rl_step(master, frac, seed + 1)
+  return base, synthetic.cast(master)
+
+
+@pytest.mark.parametrize("dtype", [BF16, np.float16, np.float32])
+@pytest.mark.parametrize("frac", [0.0, 0.01, 0.04, 0.25, 1.0])
+def test_roundtrip_bit_exact(dtype, frac):
+  master = synthetic.init_master({"x/w": (257, 129), "x/b": (129,)}, 3)
+  base = synthetic.cast(master, dtype)
+  synthetic.rl_step(master, frac, 4)
+  new = synthetic.cast(master, dtype)
+  if frac == 1.0:  # every element changes by arbitrary bits
+    new = {k: (weights.words(v) ^ np.random.default_rng(0).integers(
+        1, 1 << 15, v.size).astype(weights.words(v).dtype)).view(dtype).reshape(v.shape)
+           for k, v in base.items()}
+  blob = delta.encode(base, new, chunk_elems=4096)
+  assert _same_bits(delta.decode(base, blob), new)
+
+
+def test_specials_nan_payloads_and_signed_zero():
+  base = {"t": np.array([0.0, -0.0, np.inf, np.nan, 1.0, -1.0], np.float32)}
+  bits = np.array([0x80000000, 0x00000000, 0x7FC00001, 0xFFC00123, 0x3F800001, 0x00000001],
+                  np.uint32)
+  new = {"t": bits.view(np.float32)}
+  assert _same_bits(delta.decode(base, delta.encode(base, new)), new)
+
+
+def test_new_removed_reshaped_empty_and_scalar_tensors():
+  base = {"keep": np.ones((4, 4), BF16), "gone": np.ones(3, np.float32),
+          "reshaped": np.ones((2, 6), np.float16)}
+  new = {"keep": np.full((4, 4), 2, BF16), "added": np.arange(10, dtype=np.float32),
+         "reshaped": np.ones((3, 4), np.float16), "empty": np.zeros((0, 5), BF16),
+         "scalar": np.array(1.5, np.float32)}
+  out = delta.decode(base, delta.encode(base, new))
+  assert _same_bits(out, new)
+
+
+def test_digests_and_streaming_paths_agree():
+  base, new = _pair()
+  sink = io.BytesIO()
+  stats = delta.encode_to(sink, base, new, chunk_elems=10_000, workers=3)
+  blob = sink.getvalue()
+  assert stats.blob_bytes == len(blob) and stats.ratio > 20
+  assert stats.parent_digest == weights.digest(base, 10_000)
+  assert stats.digest == weights.digest(new, 10_000)
+  assert delta.read_trailer(blob) == (stats.parent_digest, stats.digest)
+  out, dstats = delta.decode_stream(base, io.BytesIO(blob), workers=2,
+                                    expect_parent=stats.parent_digest)
+  assert _same_bits(out, new) and dstats.digest == stats.digest
+  # Deterministic whatever the thread count.
+  assert delta.encode(base, new, chunk_elems=10_000, workers=1) == blob
+
+
+def test_decode_does_not_touch_base():
+  base, new = _pair()
+  before = {k: v.copy() for k, v in base.items()}
+  delta.decode(base, delta.encode(base, new))
+  assert _same_bits(base, before)
+
+
+def test_every_corrupted_byte_is_rejected():
+  base, new = _pair(frac=0.05)
+  blob = delta.encode(base, new, chunk_elems=50_000)
+  rng = np.random.default_rng(0)
+  positions = set(rng.integers(0, len(blob), 300).tolist())
+  positions |= set(range(0, 80)) | set(range(len(blob) - 90, len(blob)))
+  for p in sorted(positions):
+    bad = bytearray(blob)
+    bad[p] ^= 1 << int(rng.integers(0, 8))
+    with pytest.raises(delta.DeltaError):
+      delta.decode(base, bytes(bad))
+
+
+def test_truncated_blob_is_rejected():
+  base, new = _pair()
+  blob = delta.encode(base, new, chunk_elems=50_000)
+  for n in [0, 5, 20, len(blob) // 3, len(blob) // 2, len(blob) - 1]:
+    with pytest.raises(delta.DeltaError):
+      delta.decode(base, blob[:n])
+  with pytest.raises(delta.DeltaError):
+    delta.decode(base, blob + b"x")
+
+
+def _records(blob):
+  """Splits a blob into (header, [record bytes], trailer)."""
+  (n,) = struct.unpack_from("<I", blob, len(delta.MAGIC))
+  pos = len(delta.MAGIC) + 4 + n
+  head, recs = blob[:pos], []
+  while blob[pos:pos + len(delta.END_MAGIC)] != delta.END_MAGIC:
+    plen = struct.unpack_from("<Q", blob, pos + 12)[0]
+    end = pos + 48 + plen
+    recs.append(blob[pos:end])
+    pos = end
+  return head, recs, blob[pos:]
+
+
+def test_reordered_or_spliced_records_are_rejected():
+  base, new = _pair()
+  blob = delta.encode(base, new, chunk_elems=50_000)
+  head, recs, tail = _records(blob)
+  assert len(recs) > 3
+  swapped = recs[:]
+  swapped[1], swapped[2] = swapped[2], swapped[1]
+  with pytest.raises(delta.DeltaError, match="order"):
+    delta.decode(base, head + b"".join(swapped) + tail)
+  # A record from another version's blob at the same position (spliced).
+  _, new2 = _pair(seed=7)
+  _, recs2, _ = _records(delta.encode(base, new2, chunk_elems=50_000))
+  spliced = recs[:1] + recs2[1:2] + recs[2:]
+  with pytest.raises(delta.DeltaError):
+    delta.decode(base, head + b"".join(spliced) + tail)
+
+
+def test_foreign_delta_wrong_parent_or_shapes_is_rejected():
+  base, new = _pair()
+  blob = delta.encode(base, new)
+  other_base, _ = _pair(seed=11)  # same names and shapes, other values
+  with pytest.raises(delta.DeltaError, match="parent"):
+    delta.decode(other_base, blob)
+  wrong_shape = dict(base, **{"a/b": np.zeros(701, BF16)})
+  with pytest.raises(delta.DeltaError, match="does not fit"):
+    delta.decode(wrong_shape, blob)
+  wrong_dtype = dict(base, **{"a/b": base["a/b"].astype(np.float32)})
+  with pytest.raises(delta.DeltaError, match="does not fit"):
+    delta.decode(wrong_dtype, blob)
+  missing = {k: v for k, v in base.items() if k != "c"}
+  with pytest.raises(delta.DeltaError):
+    delta.decode(missing, blob)
+  with pytest.raises(delta.DeltaError, match="expected"):
+    delta.decode(base, blob, expect_parent="0" * 32)
+  with pytest.raises(delta.DeltaError):
+    delta.decode(base, b"not a blob at all")
+
+
+def test_beats_plain_xor_zstd_on_rl_like_update():
+  import zstandard  # pylint: disable=g-import-not-at-top
+  master = synthetic.init_master({"w": (1024, 1024)}, 5)
+  base = synthetic.cast(master)
+  synthetic.rl_step(master, 0.04, 6)
+  new = synthetic.cast(master)
+  xor = weights.words(base["w"]) ^ weights.words(new["w"])
+  plain = len(zstandard.ZstdCompressor(level=1).compress(xor.tobytes()))
+  ours = len(delta.encode(base, new))
+  assert plain / ours > 1.8, (plain, ours)
+  assert new["w"].nbytes / ours > 40
+
+
+if __name__ == "__main__":
+  sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
