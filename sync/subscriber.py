@@ -1,0 +1,147 @@
+"""The sampler side: fetch, verify and decode new versions, then hand them over all at once.
+
+What: `Subscriber(source, apply_fn)` follows a store (directly, or through relays with
+`http.HttpSource`). `poll()` reads the index; if a newer version exists it plans the cheapest
+path (delta chain, or newest snapshot plus deltas, see `plan`), fetches each object, checks its
+size and hash against the manifest, checks each delta's parent digest against the version held,
+decodes into fresh arrays, verifies the result's digest, and only then calls
+`apply_fn(flat_weights, version)` (the sampling server's swap). It returns an `UpdateReport`
+with the bytes moved, the fetch/decode time and the pause (time inside `apply_fn`).
+
+Why all-or-nothing: the sampler keeps serving its current weights while the next version is
+assembled off to the side; a bad or interrupted update (damaged, truncated, foreign or
+reordered delta, a relay dying mid-transfer) raises before `apply_fn`, so a sampler is never on
+mixed weights. A rejected delta path is retried once through a full snapshot.
+"""
+
+import dataclasses
+import threading
+import time
+
+from sync import delta
+from sync import http
+from sync import manifest as manifest_lib
+from sync import plan as plan_lib
+from sync import publisher
+
+_FAILURES = (delta.DeltaError, manifest_lib.ManifestError, plan_lib.PlanError, KeyError,
+             http.HttpError, OSError, ValueError)
+
+
+class SyncError(RuntimeError):
+  """No update could be applied; the subscriber still holds its previous version."""
+
+
+@dataclasses.dataclass
+class UpdateReport:
+  version: int
+  from_version: int | None
+  steps: list
+  bytes_moved: int
+  fetch_s: float
+  decode_s: float
+  pause_s: float
+  rejected: list  # errors from paths that were tried and rejected before this one
+
+  @property
+  def recovered(self) -> bool:
+    return bool(self.rejected)
+
+
+class _Counting:
+  """Counts bytes and time of `.get` on a source."""
+
+  def __init__(self, source):
+    self._source = source
+    self.bytes = 0
+    self.seconds = 0.0
+
+  def get(self, key):
+    t = time.perf_counter()
+    data = self._source.get(key)
+    self.seconds += time.perf_counter() - t
+    self.bytes += len(data)
+    return data
+
+
+class Subscriber:
+  """Keeps a sampler's weights at the newest published version (see module docstring)."""
+
+  def __init__(self, source, apply_fn, *, workers=None):
+    """Args:
+      source: a `store.Store`, `http.HttpSource` or anything with `.get(key) -> bytes`.
+      apply_fn: `apply_fn(flat_weights: dict[str, np.ndarray], version: int) -> None`, called
+        with complete, verified weights; it should swap them into the sampler.
+      workers: decode threads.
+    """
+    self.source = source
+    self.apply_fn = apply_fn
+    self.workers = workers
+    self.version = None
+    self.digest = None
+    self.weights = None
+    self.reports = []
+
+  def _follow(self, src, steps):
+    flat, version, digest = self.weights, self.version, self.digest
+    decode_s = 0.0
+    for kind, v in steps:
+      m = publisher.read_manifest(src, v)
+      if kind == "snapshot":
+        flat = publisher.load_snapshot(src, m)
+      else:
+        if m.parent != version or m.parent_digest != digest or flat is None:
+          raise delta.DeltaError(f"delta {v} applies to {m.parent}, not to the held {version} "
+                                 "(foreign or reordered delta)")
+        blob = publisher.fetch_verified(src, m.delta)
+        t = time.perf_counter()
+        flat, stats = delta.decode_stream(flat, blob, workers=self.workers,
+                                          expect_parent=digest)
+        decode_s += time.perf_counter() - t
+        if stats.digest != m.digest:
+          raise delta.DeltaError(f"delta {v} does not rebuild the manifest's version")
+      version, digest = v, m.digest
+    return flat, version, digest, decode_s
+
+  def poll(self) -> UpdateReport | None:
+    """Moves to the newest version if there is one; returns its report, or None.
+
+    Raises:
+      SyncError: every path failed; the previous weights are still held (and served).
+    """
+    index = publisher.read_index(self.source)
+    if index.latest is None or index.latest == self.version:
+      return None
+    rejected = []
+    avoid = None
+    while True:
+      src = _Counting(self.source)
+      t0 = time.perf_counter()
+      try:
+        p = plan_lib.plan(index, self.version if avoid is None else None, index.latest)
+        flat, version, digest, decode_s = self._follow(src, p.steps)
+        break
+      except _FAILURES as e:
+        rejected.append(f"{type(e).__name__}: {e}")
+        if avoid is not None:
+          raise SyncError(f"update to {index.latest} failed: {rejected}") from e
+        avoid = self.version  # recover through a full snapshot
+    fetch_s = time.perf_counter() - t0 - decode_s
+    t = time.perf_counter()
+    self.apply_fn(flat, version)
+    pause = time.perf_counter() - t
+    report = UpdateReport(version, self.version, p.steps, src.bytes, fetch_s, decode_s, pause,
+                          rejected)
+    self.weights, self.version, self.digest = flat, version, digest
+    self.reports.append(report)
+    return report
+
+  def run(self, stop: threading.Event, interval_s: float = 1.0, on_error=None) -> None:
+    """Polls until `stop` is set; errors go to `on_error` (default: ignored, retried)."""
+    while not stop.is_set():
+      try:
+        self.poll()
+      except SyncError as e:
+        if on_error is not None:
+          on_error(e)
+      stop.wait(interval_s)
