@@ -1,0 +1,182 @@
+"""A warm pool of pre-started sandboxes, so acquiring one costs a queue pop, not a start.
+
+Spawner threads keep `size` idle slots started and ready (bwrap plus the zygote, about 15 ms of
+work each, done off the critical path). `acquire` hands one out; `release` destroys it and a
+replacement is started in the background. `max_live` caps idle plus in-use slots, so a burst of a
+thousand queued episodes waits for slots instead of starting a thousand sandboxes at once: memory
+stays bounded at roughly `max_live` times the per-sandbox footprint.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import queue
+import shutil
+import tempfile
+import threading
+import time
+
+from envs import hostcheck
+from envs import slot as slot_lib
+
+
+class WarmPool:
+  """Pre-started single-use sandboxes.
+
+  Args:
+    size: idle sandboxes kept ready.
+    max_live: cap on idle plus in-use sandboxes (default 4 * size).
+    allow_degraded: when the host cannot isolate (no bwrap or user namespaces), run in the
+      documented weaker mode instead of raising `SandboxUnavailable`. Every result then carries
+      a "degraded_isolation" violation and an `isolation` string starting with "DEGRADED".
+    force_degraded: use the weaker mode even where isolation is available (for tests).
+    spawn_threads: concurrent starts (starting is mostly CPU bound).
+    root: where slot directories live (default: a fresh temporary directory).
+  """
+
+  def __init__(self, size: int = 4, *, max_live: int | None = None, allow_degraded: bool = False,
+               force_degraded: bool = False, spawn_threads: int = 2, root: str | None = None):
+    self.features = hostcheck.detect()
+    self.degraded = force_degraded or not self.features.full_isolation
+    if self.degraded and not (allow_degraded or force_degraded):
+      raise hostcheck.SandboxUnavailable(
+          "cannot isolate sandboxes on this host: " + "; ".join(self.features.problems) +
+          ". Fix the host, or pass allow_degraded=True (or set ENVS_SANDBOX_ALLOW_DEGRADED=1) to "
+          "run with rlimits only, which every result will then report.")
+    self.size = size
+    self.max_live = max(max_live or 4 * size, size, 1)
+    self._own_root = root is None
+    self.root = root or tempfile.mkdtemp(prefix="envs-fleet-")
+    os.chmod(self.root, 0o711)
+    self._idle: collections.deque[slot_lib.Slot] = collections.deque()
+    self._cv = threading.Condition()
+    self._live = 0  # idle + in use + starting
+    self._starting = 0
+    self._closed = False
+    self.stats = collections.Counter()
+    self._teardown: queue.Queue = queue.Queue()
+    self._threads = [threading.Thread(target=self._spawn_loop, daemon=True, name=f"spawn-{i}")
+                     for i in range(max(1, spawn_threads))]
+    self._threads.append(threading.Thread(target=self._teardown_loop, daemon=True,
+                                          name="teardown"))
+    for t in self._threads:
+      t.start()
+
+  @property
+  def isolation(self) -> str:
+    if self.degraded:
+      return hostcheck.HostFeatures(**{**self.features.__dict__, "namespaces": False}).describe()
+    return self.features.describe()
+
+  def _spawn_loop(self) -> None:
+    while True:
+      with self._cv:
+        while not self._closed and (len(self._idle) + self._starting >= self.size or
+                                    self._live >= self.max_live):
+          self._cv.wait()
+        if self._closed:
+          return
+        self._starting += 1
+        self._live += 1
+      slot = None
+      try:
+        slot = slot_lib.Slot(self.root, self.features, degraded=self.degraded)
+        slot.wait_ready()
+      except Exception:  # pylint: disable=broad-except
+        self.stats["spawn_failures"] += 1
+        if slot is not None:
+          self._teardown.put(slot)
+        with self._cv:
+          self._starting -= 1
+          self._live -= 1
+          self._cv.notify_all()
+        time.sleep(0.05)
+        continue
+      with self._cv:
+        self._starting -= 1
+        self.stats["spawned"] += 1
+        if self._closed:
+          self._live -= 1
+          self._teardown.put(slot)
+        else:
+          self._idle.append(slot)
+        self._cv.notify_all()
+
+  def _teardown_loop(self) -> None:
+    while True:
+      slot = self._teardown.get()
+      if slot is None:
+        return
+      try:
+        slot.cleanup()
+      except Exception:  # pylint: disable=broad-except
+        self.stats["cleanup_failures"] += 1
+
+  def acquire(self, timeout_s: float | None = 60.0) -> slot_lib.Slot:
+    """Returns a ready, unused sandbox; blocks while none is idle."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    with self._cv:
+      while True:
+        if self._closed:
+          raise slot_lib.SlotError("pool is closed")
+        while self._idle:
+          slot = self._idle.popleft()
+          self._cv.notify_all()
+          if slot.proc.poll() is None:
+            self.stats["acquired"] += 1
+            return slot
+          self._live -= 1
+          self._teardown.put(slot)
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+          raise slot_lib.SlotError(f"no sandbox became ready in {timeout_s}s")
+        self._cv.wait(left)
+
+  def release(self, slot: slot_lib.Slot) -> None:
+    """Destroys a used sandbox (synchronously kills it; cleans its files in the background)."""
+    slot.close()
+    with self._cv:
+      self._live -= 1
+      self.stats["released"] += 1
+      self._cv.notify_all()
+    self._teardown.put(slot)
+
+  def wait_warm(self, timeout_s: float = 30.0) -> None:
+    """Blocks until `size` sandboxes are idle (for benchmarks and tests)."""
+    deadline = time.monotonic() + timeout_s
+    with self._cv:
+      while len(self._idle) < self.size:
+        left = deadline - time.monotonic()
+        if left <= 0:
+          raise slot_lib.SlotError(f"pool did not warm up in {timeout_s}s")
+        self._cv.wait(left)
+
+  def idle_pids(self) -> list[int]:
+    """Host pids of the idle sandboxes' outer bwrap processes (for memory accounting)."""
+    with self._cv:
+      return [s.proc.pid for s in self._idle]
+
+  def close(self) -> None:
+    with self._cv:
+      if self._closed:
+        return
+      self._closed = True
+      idle = list(self._idle)
+      self._idle.clear()
+      self._cv.notify_all()
+    for slot in idle:
+      slot.close()
+      self._teardown.put(slot)
+    for t in self._threads[:-1]:
+      t.join(timeout=10)
+    self._teardown.put(None)
+    self._threads[-1].join(timeout=30)
+    if self._own_root:
+      shutil.rmtree(self.root, ignore_errors=True)
+
+  def __enter__(self) -> "WarmPool":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
