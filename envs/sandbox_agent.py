@@ -283,6 +283,8 @@ class Zygote:
     stderr = bytes(bufs[err_r])
     if b"MemoryError" in stderr or b"Cannot allocate memory" in stderr:
       violations.append("memory_limit: allocation refused")
+    if b"File too large" in stderr:
+      violations.append("file_size_limit: write refused (EFBIG)")
     if b"Resource temporarily unavailable" in stderr or b"fork: retry" in stderr:
       violations.append("process_limit: fork refused")
     for name, fd in (("stdout", out_r), ("stderr", err_r)):
@@ -324,13 +326,17 @@ class Zygote:
       limits = [
           (resource.RLIMIT_CPU, int(req.get("cpu_s", 10))),
           (resource.RLIMIT_AS, int(req.get("memory_mb", 512)) * mb),
-          (resource.RLIMIT_NPROC, int(req.get("nproc", 64))),
+          # The pids cgroup (nproc + 1, counted, see slot.py) binds first where there is one.
+          (resource.RLIMIT_NPROC, int(req.get("nproc", 64)) + 8),
           (resource.RLIMIT_FSIZE, int(req.get("fsize_mb", 64)) * mb),
           (resource.RLIMIT_CORE, 0),
           (resource.RLIMIT_NOFILE, 256),
       ]
       for which, value in limits:
-        resource.setrlimit(which, (value, value))
+        # Soft below hard: at the soft CPU limit the kernel sends SIGXCPU (reported as such),
+        # SIGKILL only at the hard one.
+        hard = value + 1 if which == resource.RLIMIT_CPU else value
+        resource.setrlimit(which, (value, hard))
       env = dict(req.get("env") or {})
       env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
       env.setdefault("HOME", "/tmp")
@@ -473,8 +479,8 @@ class Zygote:
       for name in sorted(filenames):
         out.append(os.path.relpath(os.path.join(dirpath, name), WORKSPACE))
         if len(out) >= int(req.get("limit", 1000)):
-          return {"paths": out, "truncated": True}
-    return {"paths": out, "truncated": False}
+          return {"paths": sorted(out), "truncated": True}
+    return {"paths": sorted(out), "truncated": False}
 
 
 if __name__ == "__main__":

@@ -128,7 +128,7 @@ class Slot:
             "--bind", self.workspace, "/workspace"]
     for src, dst in envs_files:
       argv += ["--ro-bind", os.path.join(_HERE, src), dst]
-    argv += ["--chdir", "/workspace", self.features.python, "-s", "-B",
+    argv += ["--remount-ro", "/", "--chdir", "/workspace", self.features.python, "-s", "-B",
              "/opt/envs/sandbox_agent.py", "--ns"]
     return argv
 
@@ -283,7 +283,7 @@ class Slot:
       counts["memory"] = _read_int(os.path.join(mem, "memory.failcnt"))
     pids = self.cgroups.get("pids")
     if pids:
-      _cgroup_write(os.path.join(pids, "pids.max"), str(nproc + 2))
+      _cgroup_write(os.path.join(pids, "pids.max"), str(nproc + 1))
       counts["pids"] = _read_pids_events(pids)
     return counts
 
