@@ -253,7 +253,7 @@ def read_trailer(blob) -> tuple[str, str]:
 
 
 def decode_stream(base: Mapping[str, np.ndarray], source, *, workers=None,
-                  expect_parent: str | None = None):
+                  expect_parent: str | None = None, out: Mapping[str, np.ndarray] | None = None):
   """Rebuilds the new version from `base` and a blob read from `source`.
 
   Args:
@@ -261,6 +261,10 @@ def decode_stream(base: Mapping[str, np.ndarray], source, *, workers=None,
     source: bytes-like blob, or a file-like object with `.read(n)`, consumed in order.
     workers: threads (default: cores, at most 8).
     expect_parent: if given, the blob's parent digest must equal it.
+    out: optional buffers to write into (name -> array of the right dtype and shape, not
+      sharing memory with `base`), e.g. the buffers of the version before `base`; a sampler
+      that ping-pongs two sets avoids allocating (and page-faulting) a model per update.
+      Tensors without a fitting buffer are allocated. On error the buffers hold garbage.
 
   Returns:
     (flat dict of new arrays, Stats).
@@ -277,8 +281,13 @@ def decode_stream(base: Mapping[str, np.ndarray], source, *, workers=None,
   outs, bases, expected = [], [], []
   for name, dt, shape, raw in tensors:
     dtype = weights.dtype_from_name(dt)
-    out = np.empty(shape, dtype)
-    outs.append(out)
+    o = None if out is None else out.get(name)
+    if o is None or o.dtype != dtype or tuple(o.shape) != tuple(shape) or not (
+        o.flags.c_contiguous and o.flags.writeable):
+      o = np.empty(shape, dtype)
+    elif name in base and np.shares_memory(o, base[name]):
+      raise ValueError(f"out[{name!r}] shares memory with base")
+    outs.append(o)
     if raw:
       bases.append(None)
     else:
@@ -287,10 +296,10 @@ def decode_stream(base: Mapping[str, np.ndarray], source, *, workers=None,
         raise DeltaError(f"base does not fit the delta at tensor {name!r} "
                          f"(want {dt}{tuple(shape)})")
       bases.append(weights.words(np.asarray(b)))
-    for ci, _ in enumerate(weights.chunk_bounds(out.size, chunk_elems)):
+    for ci, _ in enumerate(weights.chunk_bounds(o.size, chunk_elems)):
       expected.append((len(outs) - 1, ci))
-    stats.raw_bytes += out.nbytes
-    stats.elements += out.size
+    stats.raw_bytes += o.nbytes
+    stats.elements += o.size
   local = _Local(1)
   outw = [weights.words(o) for o in outs]
 

@@ -77,6 +77,17 @@ def test_digests_and_streaming_paths_agree():
   assert delta.encode(base, new, chunk_elems=10_000, workers=1) == blob
 
 
+def test_decode_into_recycled_buffers():
+  base, new = _pair()
+  bufs = {k: np.empty_like(v) for k, v in new.items()}
+  bufs["a/b"] = np.empty(3, BF16)  # does not fit: allocated instead
+  out = delta.decode(base, delta.encode(base, new), out=bufs)
+  assert _same_bits(out, new)
+  assert out["a/w"] is bufs["a/w"] and out["a/b"] is not bufs["a/b"]
+  with pytest.raises(ValueError):
+    delta.decode(base, delta.encode(base, new), out=base)
+
+
 def test_decode_does_not_touch_base():
   base, new = _pair()
   before = {k: v.copy() for k, v in base.items()}
