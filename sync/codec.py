@@ -87,11 +87,13 @@ def _gap_planes(pos: np.ndarray) -> bytes:
 
 def _gaps_to_pos(buf, count: int) -> np.ndarray:
   planes = np.frombuffer(buf, np.uint8, count * 3).reshape(3, count)
-  g = planes[0].astype(np.int64)
-  g |= planes[1].astype(np.int64) << 8
-  g |= planes[2].astype(np.int64) << 16
-  g += 1
-  return np.cumsum(g) - 1
+  g = np.zeros((count, 4), np.uint8)
+  g[:, :3] = planes.T  # interleave the planes back into little-endian uint32 gaps
+  g = g.view("<u4").reshape(count)
+  g += np.uint32(1)
+  pos = np.cumsum(g, dtype=np.int64)
+  pos -= 1
+  return pos
 
 
 def encode_chunk(base, new, cctx: zstandard.ZstdCompressor):
@@ -160,7 +162,7 @@ def decode_chunk(kind: int, payload, base, out, dctx: zstandard.ZstdDecompressor
       values = _unzigzag(_unplanes(memoryview(raw)[_SPARSE_HEAD.size + 3 * nnz:], out.dtype, nnz))
       if base is not out:
         np.copyto(out, base)
-      out[pos] += values
+      np.add.at(out, pos, values)  # unsigned, wraps: exact inverse of the encoder's subtraction
     else:
       raise CodecError(f"unknown chunk kind {kind}")
   except zstandard.ZstdError as e:

@@ -21,7 +21,7 @@ def main(argv=None) -> int:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--size", type=int, default=64 << 20, help="parameters (synthetic)")
   p.add_argument("--fractions", default="0.01,0.04,0.25")
-  p.add_argument("--repeats", type=int, default=2)
+  p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--workers", type=int, default=None)
   p.add_argument("--from_checkpoints", nargs=2, metavar=("BASE", "NEW"))
   p.add_argument("--keep_dtype", action="store_true",
