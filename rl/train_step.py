@@ -202,7 +202,7 @@ def make_update(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, loss_c
     metrics = {k: (jnp.max(v, 0) if k in _MAX_METRICS else jnp.sum(v, 0))
                for k, v in metrics.items()}
     metrics["loss"] = jnp.sum(losses)
-    metrics["grad_norm"] = optax.global_norm(grads)
+    metrics["grad_norm"] = optax.tree.norm(grads)
     if schedule is not None:
       metrics["learning_rate"] = schedule(state.step)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
