@@ -108,6 +108,8 @@ class Slot:
     self._w = self.proc.stdin.fileno()
     self._r = self.proc.stdout.fileno()
     self.zygote_pid = None
+    self.runner_path = (os.path.join(_HERE, "testrunner.py") if degraded else
+                        "/opt/envs/testrunner.py")
 
   # -- start -----------------------------------------------------------------------------------
 
