@@ -1,0 +1,710 @@
+"""The sampling engine: continuous batching over fixed KV-cache slots, weight swaps in place.
+
+What:
+  * `Engine(model, config=EngineConfig(...))` serves a `MoEDecoder` (or `Engine.from_flat`).
+  * `engine.generate(prompt_token_ids, *, n, max_tokens, temperature, stop_token_ids, seed, ...)`
+    -> list[Completion] (blocking, in-process entry point for the environments harness).
+  * `engine.submit(prompt_token_ids, SamplingParams(...)) -> RequestHandle` (non-blocking; the
+    handle has `.result()`, `.future` for asyncio, `.cancel()`, and an optional per-chunk
+    `on_tokens` callback for streaming) and `engine.submit_batch` for the RL controller.
+  * `engine.swap_weights(flat, version)` / `swap_delta(blob, version)` replace the weights while
+    serving; in-flight requests continue with their KV caches and record the version per token.
+
+Design (see rollout/README.md for the measurements behind it):
+  * Slot-based KV cache, not paged: max_slots rows of [kv_heads, max_len, head_dim] per layer,
+    allocated once. A request's n completions each take a slot and share one prefill (its KV is
+    copied into the n slots). Paging would save memory for ragged lengths, but on this CPU the
+    cache is small and a dense slot cache keeps decode attention a contiguous batched matvec with
+    no page-table gathers. Slots are handed out lowest-first so active rows stay in a prefix and
+    decode runs on the smallest batch bucket that covers them.
+  * One background thread owns the device state; it admits queued requests (prefill), runs
+    `decode_steps`-step chunks, and hands tokens back. All other threads only enqueue.
+  * Deterministic mode fixes every shape (all slots, full cache length, dropless experts, fixed
+    prefill rows), so a request's arithmetic never depends on what else is being served.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moe import params as moe_params
+from moe.config import ModelConfig
+from rollout import forward
+from rollout import kernels
+from rollout import weights as weights_lib
+from rollout.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(RuntimeError):
+  """The bounded request queue is full; retry later (HTTP 429)."""
+
+
+class EngineStopped(RuntimeError):
+  """The engine is not running."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """Serving settings.
+
+  Attributes:
+    max_slots: decode batch rows (completions in flight at once).
+    max_len: KV-cache length per slot = the context: prompt + max_tokens must fit. None uses the
+      model's max_seq_len.
+    decode_steps: decode steps per device call (tokens are handed back once per call).
+    deterministic: fixed shapes and dropless experts (reproducible whatever the batch).
+    max_queue: most completions (sum of n) waiting for a slot before submit raises QueueFull.
+    prefill_rows: most prompts prefilled per device call (deterministic mode always uses this
+      many rows, padding the rest).
+    min_prefill_len: smallest prompt length bucket (buckets double up to max_len).
+    length_bucket: granularity of the attended cache prefix in decode.
+    capacity_factors: expert capacity tiers as multiples of the even share; a dropless tier is
+      always added (see rollout.forward).
+    dtype: compute dtype of the sampler ("float32" is fastest on the CPU); None keeps the model's.
+    eos_token_ids: stop ids added to every request unless it sets ignore_eos.
+    max_stop_ids: most stop token ids per request (a fixed-width device table).
+    idle_wait_s: how long the loop sleeps when there is nothing to do (new work wakes it).
+  """
+  max_slots: int = 64
+  max_len: Optional[int] = None
+  decode_steps: int = 16
+  deterministic: bool = False
+  max_queue: int = 4096
+  prefill_rows: int = 8
+  min_prefill_len: int = 16
+  length_bucket: int = 64
+  capacity_factors: tuple = (1.0, 1.25, 1.5, 2.0)
+  dtype: Optional[str] = "float32"
+  eos_token_ids: tuple = ()
+  max_stop_ids: int = 8
+  idle_wait_s: float = 0.05
+
+
+@dataclasses.dataclass
+class Completion:
+  """One generated completion.
+
+  Attributes:
+    token_ids: generated tokens (a stop token that ended the completion is included).
+    logprobs: log-probability of each token under the distribution it was sampled from.
+    routing: [moe_layers, T, k] experts of the forward step that produced each token (the step
+      whose input was the previous token; for token 0 the prompt's last token). None for dense
+      models.
+    policy_versions: weight version that produced each token.
+    finish_reason: "stop" (stop token or string), "length", "cancelled" or "timeout".
+    text: decoded text (stop strings and the tokens after them removed) if a tokenizer is set.
+    prompt_routing: [moe_layers, P - 1, k] experts of prompt positions 0..P-2, so that
+      concatenating it with `routing` along axis 1 replays routing for the learner's forward on
+      prompt + token_ids[:-1].
+    index: completion index within the request (0..n-1).
+  """
+  token_ids: list
+  logprobs: list
+  routing: Optional[np.ndarray]
+  policy_versions: list
+  finish_reason: str
+  text: str = ""
+  prompt_routing: Optional[np.ndarray] = None
+  index: int = 0
+
+
+class _Sample:
+  """Host-side progress of one completion."""
+
+  def __init__(self, index: int):
+    self.index = index
+    self.tokens: list = []
+    self.logprobs: list = []
+    self.routing: list = []  # [moe_layers, k] per token
+    self.versions: list = []
+    self.finish_reason: Optional[str] = None
+    self.text = ""
+    self.slot: Optional[int] = None
+
+
+class RequestHandle:
+  """A submitted request: wait with `.result()`, or `await asyncio.wrap_future(h.future)`."""
+
+  _ids = itertools.count()
+
+  def __init__(self, prompt: list, params: SamplingParams, stop_ids: tuple, deadline,
+               on_tokens: Optional[Callable] = None):
+    self.id = next(RequestHandle._ids)
+    self.prompt = prompt
+    self.params = params
+    self.stop_ids = stop_ids
+    self.deadline = deadline
+    self.on_tokens = on_tokens
+    self.samples = [_Sample(i) for i in range(params.n)]
+    self.prompt_routing: Optional[np.ndarray] = None
+    self.future: concurrent.futures.Future = concurrent.futures.Future()
+    self.cancelled = False
+    self.submitted_at = time.monotonic()
+
+  def cancel(self) -> None:
+    """Stops the request; completions finish with what they have (finish_reason "cancelled")."""
+    self.cancelled = True
+
+  def done(self) -> bool:
+    return self.future.done()
+
+  def result(self, timeout: Optional[float] = None) -> list:
+    return self.future.result(timeout)
+
+
+def _pow2_at_least(x: int, lo: int = 1) -> int:
+  b = lo
+  while b < x:
+    b *= 2
+  return b
+
+
+class Engine:
+  """Continuous-batching sampler (see the module docstring)."""
+
+  def __init__(self, model, *, config: EngineConfig = EngineConfig(), tokenizer=None,
+               version: int = 0, start: bool = True):
+    self._init(model.config, moe_params.flatten(model), config, tokenizer, version, start)
+
+  @classmethod
+  def from_flat(cls, flat: Mapping[str, np.ndarray], cfg: ModelConfig, *,
+                config: EngineConfig = EngineConfig(), tokenizer=None, version: int = 0,
+                start: bool = True) -> "Engine":
+    self = cls.__new__(cls)
+    self._init(cfg, dict(flat), config, tokenizer, version, start)
+    return self
+
+  # ------------------------------------------------------------------ setup
+  def _init(self, cfg: ModelConfig, flat, config: EngineConfig, tokenizer, version, start):
+    ec = config
+    max_len = ec.max_len or cfg.max_seq_len
+    for name, v in (("max_slots", ec.max_slots), ("decode_steps", ec.decode_steps),
+                    ("prefill_rows", ec.prefill_rows), ("max_len", max_len),
+                    ("length_bucket", ec.length_bucket), ("max_queue", ec.max_queue)):
+      if v < 1:
+        raise ValueError(f"EngineConfig.{name} must be >= 1, got {v}")
+    for t in ec.eos_token_ids:
+      if not 0 <= t < cfg.vocab_size:
+        raise ValueError(f"eos token id {t} is outside the vocabulary ({cfg.vocab_size})")
+    self.model_config = cfg
+    self.config = ec
+    self.max_len = max_len
+    self.tokenizer = tokenizer
+    self._flat = flat
+    self._params = weights_lib.pack(flat, cfg, ec.dtype)
+    self.version = version
+    dt = self._params["embed"].dtype
+    shape = (ec.max_slots, cfg.num_kv_heads, max_len, cfg.resolved_head_dim)
+    self._ck = tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers))
+    self._cv = tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers))
+    b = ec.max_slots
+    self._slots = {
+        "tok": np.zeros(b, np.int32), "pos": np.zeros(b, np.int32),
+        "remaining": np.zeros(b, np.int32), "active": np.zeros(b, bool),
+        "temp": np.ones(b, np.float32), "top_k": np.zeros(b, np.int32),
+        "top_p": np.ones(b, np.float32), "seed": np.zeros(b, np.uint32),
+        "sample": np.zeros(b, np.int32), "tindex": np.zeros(b, np.int32),
+        "stop": np.full((b, ec.max_stop_ids), -1, np.int32)}
+    self._owner: list = [None] * b  # (handle, sample) per slot
+    self._queue: collections.deque = collections.deque()
+    self._queued_completions = 0
+    self._cv_lock = threading.Condition()
+    self._pending_swap = None
+    self._stopping = False
+    self._thread: Optional[threading.Thread] = None
+    self._rng = np.random.default_rng()
+    self.stats = collections.Counter()
+    self._tok_window: collections.deque = collections.deque()  # (time, tokens)
+    self.last_swap: dict = {}
+    if start:
+      self.start()
+
+  def start(self) -> None:
+    if self._thread is not None:
+      return
+    self._stopping = False
+    self._thread = threading.Thread(target=self._loop, name="rollout-engine", daemon=True)
+    self._thread.start()
+
+  def stop(self) -> None:
+    """Stops the loop; waiting and running requests finish as "cancelled"."""
+    with self._cv_lock:
+      self._stopping = True
+      self._cv_lock.notify_all()
+    if self._thread is not None:
+      self._thread.join()
+      self._thread = None
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.stop()
+
+  # ------------------------------------------------------------------ public API
+  def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams = SamplingParams(), *,
+             timeout: Optional[float] = None,
+             on_tokens: Optional[Callable] = None) -> RequestHandle:
+    """Queues a request and returns at once.
+
+    Args:
+      prompt_token_ids: the prompt (1 <= length, ids in the vocabulary).
+      params: sampling settings.
+      timeout: seconds until the request is ended with finish_reason "timeout".
+      on_tokens: called from the engine thread after each decode call as
+        on_tokens(handle, sample_index, token_ids, logprobs) with the new tokens.
+
+    Raises:
+      ValueError: bad prompt or settings (a clear message; nothing is queued).
+      QueueFull: the queue holds max_queue completions already.
+      EngineStopped: the engine is not running.
+    """
+    prompt = self._check_prompt(prompt_token_ids, params)
+    stop_ids = tuple(sorted(set(params.stop_token_ids) | (
+        set() if params.ignore_eos else set(self.config.eos_token_ids))))
+    for t in stop_ids:
+      if t >= self.model_config.vocab_size:
+        raise ValueError(f"stop token id {t} is outside the vocabulary "
+                         f"(size {self.model_config.vocab_size})")
+    if len(stop_ids) > self.config.max_stop_ids:
+      raise ValueError(f"at most {self.config.max_stop_ids} stop token ids, got {len(stop_ids)}")
+    if params.stop and self.tokenizer is None:
+      raise ValueError("stop strings need a tokenizer; this engine has none")
+    if params.seed is None:
+      params = dataclasses.replace(params, seed=int(self._rng.integers(0, 2**32)))
+    deadline = None if timeout is None else time.monotonic() + timeout
+    handle = RequestHandle(prompt, params, stop_ids, deadline, on_tokens)
+    with self._cv_lock:
+      if self._thread is None or self._stopping:
+        raise EngineStopped("the engine is not running")
+      if self._queued_completions + params.n > self.config.max_queue:
+        self.stats["rejected_total"] += 1
+        raise QueueFull(f"queue full ({self._queued_completions} completions waiting)")
+      self._queue.append(handle)
+      self._queued_completions += params.n
+      self.stats["requests_total"] += 1
+      self._cv_lock.notify_all()
+    return handle
+
+  def submit_batch(self, prompts: Sequence[Sequence[int]], params: SamplingParams = SamplingParams(),
+                   **kw) -> list:
+    """Submits several prompts with the same settings; returns their handles in order."""
+    return [self.submit(p, params, **kw) for p in prompts]
+
+  def generate(self, prompt_token_ids: Sequence[int], *, n: int = 1, max_tokens: int = 16,
+               temperature: float = 1.0, stop_token_ids: Sequence[int] = (),
+               seed: Optional[int] = None, top_p: float = 1.0, top_k: int = 0,
+               stop: Sequence[str] = (), ignore_eos: bool = False,
+               timeout: Optional[float] = None) -> list:
+    """Blocking generation: list of n `Completion`s for one prompt."""
+    params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                            top_k=top_k, stop_token_ids=tuple(int(t) for t in stop_token_ids),
+                            stop=tuple(stop), seed=seed, ignore_eos=ignore_eos)
+    return self.submit(prompt_token_ids, params, timeout=timeout).result()
+
+  def swap_weights(self, flat: Mapping[str, np.ndarray], version: int,
+                   timeout: Optional[float] = None) -> dict:
+    """Replaces the weights while serving; returns timings.
+
+    The new weights are validated and packed in the calling thread while decoding continues; the
+    serving loop then swaps them in between two decode calls. In-flight requests keep their KV
+    caches (computed by the old weights) and record `version` for tokens produced afterwards.
+
+    Returns:
+      {"version", "prepare_s" (validate + pack), "pause_s" (time the decode loop stood still
+       between the last call with the old weights and the first with the new), "total_s"}.
+    """
+    t0 = time.perf_counter()
+    flat = dict(flat)
+    new_params = weights_lib.pack(flat, self.model_config, self.config.dtype)
+    jax.block_until_ready(new_params)
+    prepared = time.perf_counter()
+    done = threading.Event()
+    result = {"version": int(version), "prepare_s": prepared - t0}
+    with self._cv_lock:
+      if self._thread is None or self._stopping:
+        raise EngineStopped("the engine is not running")
+      self._pending_swap = (new_params, flat, int(version), done, result)
+      self._cv_lock.notify_all()
+    if not done.wait(timeout):
+      raise TimeoutError("weight swap was not applied in time")
+    result["total_s"] = time.perf_counter() - t0
+    self.last_swap = dict(result)
+    return result
+
+  def swap_delta(self, blob: bytes, version: int) -> dict:
+    """Applies a `sync.delta` blob against the current weights (raises delta.DeltaError)."""
+    from sync import delta  # imported here: only delta swaps need the codec
+    t0 = time.perf_counter()
+    new_flat = delta.decode(self.current_flat(), blob)
+    decoded = time.perf_counter() - t0
+    out = self.swap_weights(new_flat, version)
+    out["decode_s"] = decoded
+    return out
+
+  def current_flat(self) -> dict:
+    """The flat weights being served (numpy; do not modify)."""
+    return self._flat
+
+  def metrics(self) -> dict:
+    """A snapshot of counters and gauges for /metrics."""
+    now = time.monotonic()
+    with self._cv_lock:
+      while self._tok_window and self._tok_window[0][0] < now - 10.0:
+        self._tok_window.popleft()
+      recent = sum(n for _, n in self._tok_window)
+      active = int(sum(o is not None for o in self._owner))
+      return {**self.stats,
+              "queue_depth": len(self._queue),
+              "queued_completions": self._queued_completions,
+              "active_slots": active, "max_slots": self.config.max_slots,
+              "batch_occupancy": active / self.config.max_slots,
+              "tokens_per_second": recent / 10.0,
+              "policy_version": self.version,
+              "last_swap_pause_seconds": self.last_swap.get("pause_s", 0.0)}
+
+  # ------------------------------------------------------------------ validation
+  def _check_prompt(self, prompt_token_ids, params: SamplingParams) -> list:
+    if not isinstance(params, SamplingParams):
+      raise TypeError("params must be a rollout.sampling.SamplingParams")
+    try:
+      prompt = [int(t) for t in prompt_token_ids]
+    except (TypeError, ValueError):
+      raise ValueError("prompt_token_ids must be a sequence of integers") from None
+    if any(isinstance(t, bool) or t != int(t) for t in prompt_token_ids):
+      raise ValueError("prompt_token_ids must be integers")
+    if not prompt:
+      raise ValueError("the prompt is empty")
+    v = self.model_config.vocab_size
+    for i, t in enumerate(prompt):
+      if not 0 <= t < v:
+        raise ValueError(f"token id {t} at prompt position {i} is outside the vocabulary "
+                         f"(size {v})")
+    if len(prompt) + params.max_tokens > self.max_len:
+      raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                       f"the context length {self.max_len}")
+    if params.n > self.config.max_slots:
+      raise ValueError(f"n ({params.n}) exceeds the engine's slots ({self.config.max_slots})")
+    return prompt
+
+  # ------------------------------------------------------------------ serving loop
+  def _loop(self) -> None:
+    last_chunk_end = None
+    while True:
+      with self._cv_lock:
+        if self._stopping:
+          break
+        swap = self._pending_swap
+        self._pending_swap = None
+        has_work = bool(self._queue) or any(o is not None for o in self._owner)
+        if swap is None and not has_work:
+          self._cv_lock.wait(self.config.idle_wait_s)
+          continue
+      try:
+        if swap is not None:
+          self._apply_swap(swap, last_chunk_end)
+        self._expire()
+        self._admit()
+        if any(o is not None for o in self._owner):
+          self._decode()
+          last_chunk_end = time.perf_counter()
+        else:
+          last_chunk_end = None
+      except Exception as e:  # a bug must not hang callers: fail what is in flight, keep serving
+        log.exception("engine loop error")
+        self._fail_all(e)
+    self._fail_all(EngineStopped("the engine stopped"), reason="cancelled")
+
+  def _apply_swap(self, swap, last_chunk_end) -> None:
+    new_params, flat, version, done, result = swap
+    start = time.perf_counter()
+    self._params = new_params
+    self._flat = flat
+    self.version = version
+    self.stats["swaps_total"] += 1
+    # The decode loop stood still from the end of its last call until the next call starts; that
+    # next call starts right after this returns, so measure to here (plus a negligible return).
+    result["pause_s"] = time.perf_counter() - (last_chunk_end or start)
+    result["in_flight"] = int(sum(o is not None for o in self._owner))
+    done.set()
+
+  def _fail_all(self, err: Exception, reason: str = "error") -> None:
+    with self._cv_lock:
+      queued = list(self._queue)
+      self._queue.clear()
+      self._queued_completions = 0
+    handles = {id(o[0]): o[0] for o in self._owner if o is not None}
+    for slot, o in enumerate(self._owner):
+      if o is not None:
+        self._free(slot)
+    for h in list(handles.values()) + queued:
+      if not h.future.done():
+        if reason == "cancelled":
+          for s in h.samples:
+            if s.finish_reason is None:
+              s.finish_reason = "cancelled"
+          self._complete(h)
+        else:
+          h.future.set_exception(err)
+
+  def _free(self, slot: int) -> None:
+    self._owner[slot] = None
+    self._slots["active"][slot] = False
+    self._slots["pos"][slot] = 0
+    self._slots["remaining"][slot] = 0
+
+  def _expire(self) -> None:
+    """Ends cancelled and timed-out requests, queued or running."""
+    now = time.monotonic()
+
+    def reason(h):
+      if h.cancelled:
+        return "cancelled"
+      if h.deadline is not None and now >= h.deadline:
+        return "timeout"
+      return None
+
+    with self._cv_lock:
+      keep = collections.deque()
+      ended = []
+      for h in self._queue:
+        r = reason(h)
+        if r is None:
+          keep.append(h)
+        else:
+          ended.append((h, r))
+          self._queued_completions -= h.params.n
+      self._queue = keep
+    for h, r in ended:
+      for s in h.samples:
+        s.finish_reason = r
+      self._complete(h)
+      self.stats[f"{r}_total"] += 1
+    seen = set()
+    for slot, o in enumerate(self._owner):
+      if o is None:
+        continue
+      h, s = o
+      r = reason(h)
+      if r is None:
+        continue
+      s.finish_reason = r
+      self._free(slot)
+      if id(h) not in seen:
+        seen.add(id(h))
+        self.stats[f"{r}_total"] += 1
+      self._maybe_complete(h)
+
+  def _admit(self) -> None:
+    """Moves queued requests into free slots and prefills them (one prompt length bucket)."""
+    ec = self.config
+    free = [i for i, o in enumerate(self._owner) if o is None]
+    if not free:
+      return
+    batch, used = [], 0
+    with self._cv_lock:
+      bucket = None
+      while self._queue and len(batch) < ec.prefill_rows:
+        h = self._queue[0]
+        lb = self._len_bucket(len(h.prompt))
+        if bucket is not None and lb != bucket:
+          break
+        if h.params.n > len(free) - used:
+          break
+        self._queue.popleft()
+        self._queued_completions -= h.params.n
+        bucket = lb
+        batch.append((h, free[used:used + h.params.n]))
+        used += h.params.n
+    if batch:
+      self._prefill(batch, bucket)
+
+  def _len_bucket(self, n: int) -> int:
+    return min(_pow2_at_least(n, self.config.min_prefill_len), self.max_len)
+
+  def _prefill(self, batch, length: int) -> None:
+    ec, cfg = self.config, self.model_config
+    rows = ec.prefill_rows if ec.deterministic else _pow2_at_least(len(batch))
+    rows = max(rows, len(batch))
+    tokens = np.zeros((rows, length), np.int32)
+    lengths = np.ones(rows, np.int32)
+    b = ec.max_slots
+    dst = np.full(b, b, np.int32)
+    src = np.zeros(b, np.int32)
+    temp = np.ones(b, np.float32)
+    top_k = np.zeros(b, np.int32)
+    top_p = np.ones(b, np.float32)
+    seed = np.zeros(b, np.uint32)
+    sample = np.zeros(b, np.int32)
+    m = 0
+    for r, (h, slots) in enumerate(batch):
+      tokens[r, :len(h.prompt)] = h.prompt
+      lengths[r] = len(h.prompt)
+      for i, slot in enumerate(slots):
+        dst[m], src[m] = slot, r
+        temp[m], top_k[m], top_p[m] = h.params.temperature, h.params.top_k, h.params.top_p
+        seed[m], sample[m] = h.params.seed % 2**32, i
+        m += 1
+    caps = forward.capacity_tiers(rows * length, cfg, ec.capacity_factors, ec.deterministic)
+    self._ck, self._cv, tok, lp, routing = kernels.prefill_into_slots(
+        self._params, self._ck, self._cv, tokens, lengths, dst, src, temp, top_k, top_p, seed,
+        sample, cfg=cfg, caps=caps)
+    tok, lp, routing = np.asarray(tok), np.asarray(lp), np.asarray(routing)
+    self.stats["prefill_calls_total"] += 1
+    self.stats["prompt_tokens_total"] += int(lengths[:len(batch)].sum())
+    st = self._slots
+    m = 0
+    for r, (h, slots) in enumerate(batch):
+      n_p = len(h.prompt)
+      h.prompt_routing = routing[:, r, :n_p - 1] if cfg.num_moe_layers else None
+      for i, slot in enumerate(slots):
+        s = h.samples[i]
+        s.slot = slot
+        self._owner[slot] = (h, s)
+        st["temp"][slot], st["top_k"][slot] = h.params.temperature, h.params.top_k
+        st["top_p"][slot], st["seed"][slot] = h.params.top_p, h.params.seed % 2**32
+        st["sample"][slot] = i
+        st["stop"][slot] = -1
+        st["stop"][slot, :len(h.stop_ids)] = h.stop_ids
+        t = int(tok[m])
+        self._emit(h, s, [t], [float(lp[m])],
+                   [routing[:, r, n_p - 1]] if cfg.num_moe_layers else [None])
+        m += 1
+        if s.finish_reason is not None:  # a stop string in the first token
+          continue
+        st["tok"][slot], st["pos"][slot] = t, n_p
+        st["remaining"][slot] = h.params.max_tokens - 1
+        st["tindex"][slot] = 1
+        st["active"][slot] = True
+        if t in h.stop_ids:
+          self._finish(slot, "stop")
+        elif h.params.max_tokens == 1:
+          self._finish(slot, "length")
+      self._flush_stream(h)
+
+  def _decode(self) -> None:
+    ec, cfg = self.config, self.model_config
+    st = self._slots
+    owned = [i for i, o in enumerate(self._owner) if o is not None]
+    if ec.deterministic:
+      nb, sv = ec.max_slots, self.max_len
+    else:
+      nb = min(_pow2_at_least(max(owned) + 1), ec.max_slots)
+      need = int(st["pos"][owned].max()) + ec.decode_steps
+      sv = min(-(-need // ec.length_bucket) * ec.length_bucket, self.max_len)
+    caps = forward.capacity_tiers(nb, cfg, ec.capacity_factors, ec.deterministic)
+    version = self.version
+    self._ck, self._cv, carried, outs = kernels.decode_chunk(
+        self._params, self._ck, self._cv, st, cfg=cfg, nb=nb, sv=sv, steps=ec.decode_steps,
+        caps=caps)
+    outs = jax.device_get(outs)
+    carried = jax.device_get(carried)
+    for k, v in carried.items():
+      st[k][:nb] = v
+    valid, toks, lps, routing = outs["valid"], outs["tokens"], outs["logprobs"], outs["routing"]
+    n_new = int(valid.sum())
+    self.stats["decode_calls_total"] += 1
+    self.stats["generated_tokens_total"] += n_new
+    with self._cv_lock:
+      self._tok_window.append((time.monotonic(), n_new))
+    touched = {}
+    for slot in owned:
+      steps = np.nonzero(valid[:, slot])[0]
+      h, s = self._owner[slot]
+      if len(steps):
+        self._emit(h, s, toks[steps, slot].tolist(), lps[steps, slot].tolist(),
+                   [routing[j, :, slot] if cfg.num_moe_layers else None for j in steps],
+                   version)
+      touched[id(h)] = h
+      if self._owner[slot] is not None and not st["active"][slot]:
+        last = s.tokens[-1] if s.tokens else None
+        self._finish(slot, "stop" if last in h.stop_ids else "length")
+    for h in touched.values():
+      self._flush_stream(h)
+
+  def _emit(self, h: RequestHandle, s: _Sample, tokens, logprobs, routing, version=None) -> None:
+    version = self.version if version is None else version
+    s.tokens.extend(int(t) for t in tokens)
+    s.logprobs.extend(float(x) for x in logprobs)
+    s.routing.extend(routing)
+    s.versions.extend([version] * len(tokens))
+    if h.params.stop and s.slot is not None and self._owner[s.slot] is not None:
+      self._check_stop_strings(h, s)
+
+  def _check_stop_strings(self, h: RequestHandle, s: _Sample) -> None:
+    text = self.tokenizer.decode(s.tokens)
+    hits = [(text.find(x), x) for x in h.params.stop if x in text]
+    if not hits:
+      return
+    cut = min(i for i, _ in hits)
+    # Keep the shortest token prefix whose text reaches the stop string.
+    for j in range(1, len(s.tokens) + 1):
+      if len(self.tokenizer.decode(s.tokens[:j])) > cut:
+        break
+    for lst in (s.tokens, s.logprobs, s.routing, s.versions):
+      del lst[j:]
+    s.text = text[:cut]
+    self._finish(s.slot, "stop", text_done=True)
+
+  def _finish(self, slot: int, reason: str, text_done: bool = False) -> None:
+    h, s = self._owner[slot]
+    s.finish_reason = reason
+    if not text_done and self.tokenizer is not None:
+      toks = s.tokens[:-1] if (reason == "stop" and s.tokens and s.tokens[-1] in h.stop_ids) \
+          else s.tokens
+      s.text = self.tokenizer.decode(toks)
+    self._free(slot)
+    self._maybe_complete(h)
+
+  def _maybe_complete(self, h: RequestHandle) -> None:
+    if all(s.finish_reason is not None for s in h.samples):
+      self._flush_stream(h)
+      self._complete(h)
+
+  def _flush_stream(self, h: RequestHandle) -> None:
+    if h.on_tokens is None:
+      return
+    for s in h.samples:
+      sent = getattr(s, "_streamed", 0)
+      if len(s.tokens) > sent or (s.finish_reason is not None and not getattr(s, "_ended", False)):
+        try:
+          h.on_tokens(h, s.index, s.tokens[sent:], s.logprobs[sent:], s.finish_reason)
+        except Exception:  # a broken consumer must not stop the engine
+          log.exception("on_tokens callback failed")
+        s._streamed = len(s.tokens)
+        s._ended = s.finish_reason is not None
+
+  def _complete(self, h: RequestHandle) -> None:
+    if h.future.done():
+      return
+    cfg = self.model_config
+    out = []
+    for s in h.samples:
+      if s.finish_reason is None:
+        s.finish_reason = "cancelled"
+      if not s.text and self.tokenizer is not None and s.tokens and s.finish_reason != "stop":
+        s.text = self.tokenizer.decode(s.tokens)
+      routing = None
+      if cfg.num_moe_layers:
+        k = cfg.num_experts_per_tok
+        routing = (np.stack(s.routing, axis=1) if s.routing
+                   else np.zeros((cfg.num_moe_layers, 0, k), np.dtype(cfg.routing_dtype)))
+      out.append(Completion(token_ids=list(s.tokens), logprobs=list(s.logprobs), routing=routing,
+                            policy_versions=list(s.versions), finish_reason=s.finish_reason,
+                            text=s.text, prompt_routing=h.prompt_routing, index=s.index))
+    self.stats["completions_total"] += len(out)
+    h.future.set_result(out)
+

@@ -1,0 +1,225 @@
+"""Sampler forward passes on packed weights: prompt prefill and one-token decode steps.
+
+What: the same decoder as `moe.model.MoEDecoder` (RMSNorm, GQA attention with RoPE and optional
+QK-norm, softmax/sigmoid top-k routers, SwiGLU experts, shared experts, dense prefix layers), written
+for the sampler's packed layout (`rollout.weights`) and its slot KV cache.
+
+Why not call `MoEDecoder` directly: decoding on the CPU is bound by per-op overhead and wasted
+expert FLOPs. Here
+  * the KV cache is [slots, kv_heads, length, head_dim] per layer, so a decode step's attention
+    is a batched matvec over contiguous memory, and callers attend over a length-bucketed prefix;
+  * experts run through a capacity dispatch whose capacity is picked per layer and per step from
+    a small set of tiers (`caps`) by the actual maximum expert load, with the last tier dropless
+    (capacity = tokens). So no token is ever dropped, and the common case pays ~1.25-1.5x the ideal
+    expert FLOPs instead of E/k x (dropless) -- `lax.switch` runs only the chosen branch;
+  * deterministic mode passes a single tier (dropless), so a row's arithmetic never depends on
+    what else is in the batch (see rollout/README.md).
+
+Numerics follow the model exactly in formula (float32 norms, router and softmax, the same RoPE, the
+k contributions summed in order in float32); only matmul blocking differs, which the agreement
+measurement in `rollout.agreement` quantifies.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from moe import layers as moe_layers
+from moe.config import ModelConfig
+
+_NEG_INF = -1e30
+
+
+def rms_norm(x, scale, eps):
+  """RMSNorm in float32, returned in x's dtype (as moe.layers.RMSNorm)."""
+  x32 = x.astype(jnp.float32)
+  var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+  return (scale * (x32 * jax.lax.rsqrt(var + eps))).astype(x.dtype)
+
+
+def capacity_tiers(num_tokens: int, cfg: ModelConfig, factors, deterministic: bool) -> tuple:
+  """Sorted capacities for `num_tokens` routed tokens; the last is dropless (= num_tokens)."""
+  if deterministic:
+    return (num_tokens,)
+  even = num_tokens * cfg.num_experts_per_tok / cfg.num_experts
+  caps = {min(num_tokens, max(1, int(-(-even * f // 1)))) for f in factors}
+  caps.add(num_tokens)
+  return tuple(sorted(caps))
+
+
+def _dispatch(x, idx, gates, w_gu, w_d, cap: int):
+  """Capacity dispatch by gathers: x [N, D], idx/gates [N, k] -> [N, D] (float32 combine)."""
+  n, k = idx.shape
+  e, d = w_gu.shape[0], x.shape[-1]
+  inter = w_d.shape[1]
+  flat = idx.reshape(-1)
+  onehot = jax.nn.one_hot(flat, e, dtype=jnp.int32)
+  rank = jnp.sum(jnp.cumsum(onehot, axis=0) * onehot, axis=-1) - 1  # order of arrival per expert
+  keep = rank < cap
+  dest = jnp.where(keep, flat * cap + rank, e * cap)
+  src = jnp.full((e * cap + 1,), n, jnp.int32).at[dest].set(
+      jnp.arange(n * k, dtype=jnp.int32) // k, mode="drop")[: e * cap]
+  xp = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])
+  buf = xp[src].reshape(e, cap, d)
+  gu = jnp.einsum("ecd,edi->eci", buf, w_gu)
+  h = jax.nn.silu(gu[..., :inter]) * gu[..., inter:]
+  y = jnp.einsum("eci,eid->ecd", h, w_d).reshape(e * cap, d)
+  y = jnp.concatenate([y, jnp.zeros((1, d), y.dtype)])[dest].reshape(n, k, d)
+  w = jnp.where(keep.reshape(n, k), gates, 0.0).astype(jnp.float32)
+  return jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), w).astype(x.dtype)
+
+
+def _route(x, lp, cfg: ModelConfig):
+  """Router math of moe.router.Router (float32): -> (idx [N, k] int32, gates [N, k] float32)."""
+  logits = x.astype(jnp.float32) @ lp["router_w"]
+  if cfg.router_type == "softmax":
+    scores = jax.nn.softmax(logits, axis=-1)
+  else:
+    scores = jax.nn.sigmoid(logits)
+  select = scores + lp["router_b"] if "router_b" in lp else scores
+  _, idx = jax.lax.top_k(select, cfg.num_experts_per_tok)
+  gates = jnp.take_along_axis(scores, idx, axis=-1)
+  if cfg.norm_topk_prob:
+    gates = gates / (jnp.sum(gates, axis=-1, keepdims=True) + 1e-20)
+  return idx, gates * cfg.routed_scaling_factor
+
+
+def _swiglu(x, w_gu, w_d):
+  inter = w_d.shape[0]
+  gu = x @ w_gu
+  return (jax.nn.silu(gu[..., :inter]) * gu[..., inter:]) @ w_d
+
+
+def ffn(x, lp, cfg: ModelConfig, caps: tuple):
+  """Feed-forward of one layer on flat tokens x [N, D] -> (y [N, D], idx [N, k] or None)."""
+  if "mlp_gu" in lp:
+    return _swiglu(x, lp["mlp_gu"], lp["mlp_d"]), None
+  idx, gates = _route(x, lp, cfg)
+  w_gu, w_d = lp["experts_gu"], lp["experts_d"]
+  if len(caps) == 1:
+    y = _dispatch(x, idx, gates, w_gu, w_d, caps[0])
+  else:
+    counts = jnp.sum(jax.nn.one_hot(idx.reshape(-1), cfg.num_experts, dtype=jnp.int32), axis=0)
+    tier = jnp.searchsorted(jnp.asarray(caps, jnp.int32), jnp.max(counts))
+    branches = [lambda x, idx, g, c=c: _dispatch(x, idx, g, w_gu, w_d, c) for c in caps]
+    y = jax.lax.switch(jnp.minimum(tier, len(caps) - 1), branches, x, idx, gates)
+  if "shared_gu" in lp:
+    y = y + _swiglu(x, lp["shared_gu"], lp["shared_d"]).astype(y.dtype)
+  return y, idx
+
+
+def _qkv(x, lp, cfg: ModelConfig, positions):
+  """x [B, T, D] -> q [B, T, H, hd], k, v [B, T, KV, hd] (RoPE and QK-norm applied)."""
+  h, kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+  b, t = x.shape[:2]
+  qkv = x @ lp["wqkv"]
+  q = qkv[..., : h * hd].reshape(b, t, h, hd)
+  k = qkv[..., h * hd:(h + kv) * hd].reshape(b, t, kv, hd)
+  v = qkv[..., (h + kv) * hd:].reshape(b, t, kv, hd)
+  if "q_norm" in lp:
+    q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+    k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+  q = moe_layers.rope(q, positions, cfg.rope_theta)
+  k = moe_layers.rope(k, positions, cfg.rope_theta)
+  return q, k, v
+
+
+def _head(h, params, cfg: ModelConfig):
+  head = params["head"]
+  return jnp.dot(h.astype(head.dtype), head, preferred_element_type=jnp.float32).astype(
+      jnp.float32)
+
+
+def decode_step(params, cfg: ModelConfig, tokens, positions, cache_k, cache_v, caps: tuple):
+  """One decode step for every slot.
+
+  Args:
+    params: packed weights.
+    cfg: model config.
+    tokens: int32 [B] input token of each slot.
+    positions: int32 [B] its absolute position (< cache length).
+    cache_k, cache_v: tuples (per layer) of [B, KV, S, hd]; entry s of a row is visible to the
+      query when s <= position (stale entries beyond are masked).
+    caps: expert capacity tiers for B tokens (`capacity_tiers`).
+
+  Returns:
+    (logits float32 [B, V], routing int32 [moe_layers, B, k], new cache_k, new cache_v).
+  """
+  b = tokens.shape[0]
+  kvh, hd = cfg.num_kv_heads, cfg.resolved_head_dim
+  g = cfg.num_heads // kvh
+  dt = params["embed"].dtype
+  x = jnp.take(params["embed"], tokens, axis=0)  # [B, D]
+  rows = jnp.arange(b)
+  s_len = cache_k[0].shape[2]
+  mask = jnp.arange(s_len)[None, :] <= positions[:, None]  # [B, S]
+  new_k, new_v, routing = [], [], []
+  for li, lp in enumerate(params["layers"]):
+    hx = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    q, k, v = _qkv(hx[:, None], lp, cfg, positions[:, None])
+    ck = cache_k[li].at[rows, :, positions].set(k[:, 0].astype(cache_k[li].dtype), mode="drop")
+    cv = cache_v[li].at[rows, :, positions].set(v[:, 0].astype(cache_v[li].dtype), mode="drop")
+    new_k.append(ck)
+    new_v.append(cv)
+    qg = q[:, 0].reshape(b, kvh, g, hd)
+    scores = jnp.einsum("bkgd,bksd->bkgs", qg, ck.astype(dt),
+                        preferred_element_type=jnp.float32) * (hd ** -0.5)
+    scores = jnp.where(mask[:, None, None, :], scores, _NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+    att = jnp.einsum("bkgs,bksd->bkgd", probs, cv.astype(dt)).reshape(b, -1)
+    x = x + (att @ lp["wo"]).astype(x.dtype)
+    f, idx = ffn(rms_norm(x, lp["ffn_norm"], cfg.rms_norm_eps), lp, cfg, caps)
+    x = x + f.astype(x.dtype)
+    if idx is not None:
+      routing.append(idx)
+  logits = _head(rms_norm(x, params["final_norm"], cfg.rms_norm_eps), params, cfg)
+  routing = (jnp.stack(routing) if routing
+             else jnp.zeros((0, b, cfg.num_experts_per_tok), jnp.int32))
+  return logits, routing, tuple(new_k), tuple(new_v)
+
+
+def prefill(params, cfg: ModelConfig, tokens, lengths, caps: tuple):
+  """Runs whole prompts (from position 0) and returns what decoding needs.
+
+  Args:
+    params: packed weights.
+    cfg: model config.
+    tokens: int32 [P, L] prompts, right-padded (pad positions produce unused cache entries).
+    lengths: int32 [P] real prompt lengths (>= 1).
+    caps: expert capacity tiers for P * L tokens.
+
+  Returns:
+    (last_logits float32 [P, V] at each prompt's last token, routing int32 [moe_layers, P, L, k],
+     ks, vs: per-layer tuples of [P, KV, L, hd]).
+  """
+  p, t = tokens.shape
+  kvh, hd = cfg.num_kv_heads, cfg.resolved_head_dim
+  g = cfg.num_heads // kvh
+  dt = params["embed"].dtype
+  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (p, t))
+  causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]  # [T(query), T(key)]
+  x = jnp.take(params["embed"], tokens, axis=0)  # [P, T, D]
+  ks, vs, routing = [], [], []
+  for lp in params["layers"]:
+    hx = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    q, k, v = _qkv(hx, lp, cfg, positions)
+    ks.append(jnp.swapaxes(k, 1, 2))
+    vs.append(jnp.swapaxes(v, 1, 2))
+    qg = q.reshape(p, t, kvh, g, hd)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k,
+                        preferred_element_type=jnp.float32) * (hd ** -0.5)
+    scores = jnp.where(causal[None, None, None], scores, _NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+    att = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(p, t, -1)
+    x = x + (att @ lp["wo"]).astype(x.dtype)
+    hf = rms_norm(x, lp["ffn_norm"], cfg.rms_norm_eps).reshape(p * t, -1)
+    f, idx = ffn(hf, lp, cfg, caps)
+    x = x + f.reshape(p, t, -1).astype(x.dtype)
+    if idx is not None:
+      routing.append(idx.reshape(p, t, -1))
+  last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]
+  logits = _head(rms_norm(last, params["final_norm"], cfg.rms_norm_eps), params, cfg)
+  routing = (jnp.stack(routing) if routing
+             else jnp.zeros((0, p, t, cfg.num_experts_per_tok), jnp.int32))
+  return logits, routing, tuple(ks), tuple(vs)

@@ -1,0 +1,109 @@
+"""The sampler's jit-compiled device programs: prefill-into-slots and multi-step decode chunks.
+
+What: two functions, each compiled once per static shape (so a running server compiles a fixed,
+small set and then never again):
+  * `prefill_into_slots`: runs P prompts padded to a length bucket L, copies each prompt's KV into
+    every slot that samples from it (n completions share one prefill), and samples each slot's
+    first token. Shapes: (P, L) buckets; the slot list is always padded to max_slots.
+  * `decode_chunk`: `steps` decode steps for the first `nb` slots inside one `lax.scan`, sampling
+    on device, attending over the first `sv` cache positions. Finished rows stop advancing; the
+    host reads tokens/logprobs/routing once per chunk. Static (nb, sv) come from buckets.
+
+Why: per-call dispatch and a host sync per token would dominate on the CPU; a scan of `steps`
+steps with sampling inside amortises both. The KV cache is donated, so it is updated in place.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from moe.config import ModelConfig
+from rollout import forward
+from rollout import sampling
+
+# Host-side slot state fields passed to and returned from `decode_chunk` (all [max_slots]).
+SLOT_FIELDS = ("tok", "pos", "remaining", "active", "temp", "top_k", "top_p", "seed", "sample",
+               "tindex", "stop")
+CARRIED = ("tok", "pos", "remaining", "active", "tindex")
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "caps"), donate_argnames=("cache_k", "cache_v"))
+def prefill_into_slots(params, cache_k, cache_v, tokens, lengths, dst_slot, src_row, temp, top_k,
+                       top_p, seed, sample, *, cfg: ModelConfig, caps: tuple):
+  """Prefills prompts and seeds slots.
+
+  Args:
+    params: packed weights.
+    cache_k, cache_v: per-layer [B, KV, S, hd] slot caches (donated).
+    tokens: int32 [P, L] prompts, right-padded; lengths int32 [P].
+    dst_slot: int32 [M] slot to fill (M = B; padding entries hold B and are dropped).
+    src_row: int32 [M] prompt row each slot samples from.
+    temp, top_k, top_p, seed, sample: [M] sampling settings of each slot (see rollout.sampling).
+    cfg: model config; caps: expert capacity tiers for P * L tokens.
+
+  Returns:
+    (cache_k, cache_v, first tokens int32 [M], their logprobs [M], prompt routing uint8/int16
+     [moe_layers, P, L, k]).
+  """
+  logits, routing, ks, vs = forward.prefill(params, cfg, tokens, lengths, caps)
+  t = tokens.shape[1]
+  cache_k = tuple(c.at[dst_slot, :, :t].set(k[src_row].astype(c.dtype), mode="drop")
+                  for c, k in zip(cache_k, ks))
+  cache_v = tuple(c.at[dst_slot, :, :t].set(v[src_row].astype(c.dtype), mode="drop")
+                  for c, v in zip(cache_v, vs))
+  tok, lp = sampling.sample(logits[src_row], temp, top_k, top_p, seed, sample,
+                            jnp.zeros_like(sample))
+  return cache_k, cache_v, tok, lp, routing.astype(cfg.routing_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "nb", "sv", "steps", "caps"),
+                   donate_argnames=("cache_k", "cache_v"))
+def decode_chunk(params, cache_k, cache_v, slots, *, cfg: ModelConfig, nb: int, sv: int,
+                 steps: int, caps: tuple):
+  """Runs `steps` decode steps on slots [0, nb) attending over cache positions [0, sv).
+
+  Args:
+    params: packed weights.
+    cache_k, cache_v: per-layer [B, KV, S, hd] (donated).
+    slots: dict of SLOT_FIELDS arrays, each [B] ("stop" is [B, max_stop_ids]); only the first nb
+      rows are used. `tok` is each slot's next input token at position `pos`; `remaining` counts
+      tokens still to generate; inactive rows compute but emit nothing and do not advance.
+    cfg, nb, sv, steps, caps: static shape parameters.
+
+  Returns:
+    (cache_k, cache_v, carried {CARRIED: [nb]}, outputs) with outputs = dict(tokens int32
+    [steps, nb], logprobs float32 [steps, nb], routing [steps, moe_layers, nb, k],
+    valid bool [steps, nb]).
+  """
+  b, s_len = cache_k[0].shape[0], cache_k[0].shape[2]
+  st = {k: v[:nb] for k, v in slots.items()}
+  full = nb == b and sv == s_len
+  ck = cache_k if full else tuple(c[:nb, :, :sv] for c in cache_k)
+  cv = cache_v if full else tuple(c[:nb, :, :sv] for c in cache_v)
+
+  def body(carry, _):
+    ck, cv, c = carry
+    logits, routing, ck, cv = forward.decode_step(params, cfg, c["tok"], c["pos"], ck, cv, caps)
+    tok, lp = sampling.sample(logits, st["temp"], st["top_k"], st["top_p"], st["seed"],
+                              st["sample"], c["tindex"])
+    valid = c["active"]
+    remaining = c["remaining"] - valid.astype(jnp.int32)
+    stopped = jnp.any(tok[:, None] == st["stop"], axis=-1) | (remaining <= 0)
+    active = valid & ~stopped
+    new = {"tok": jnp.where(valid, tok, c["tok"]),
+           "pos": c["pos"] + active.astype(jnp.int32),
+           "remaining": remaining, "active": active,
+           "tindex": c["tindex"] + valid.astype(jnp.int32)}
+    out = {"tokens": tok, "logprobs": lp, "routing": routing.astype(cfg.routing_dtype),
+           "valid": valid}
+    return (ck, cv, new), out
+
+  init = {k: st[k] for k in CARRIED}
+  (ck, cv, carried), outs = jax.lax.scan(body, (ck, cv, init), None, length=steps)
+  if not full:
+    ck = tuple(jax.lax.dynamic_update_slice(c, s, (0, 0, 0, 0)) for c, s in zip(cache_k, ck))
+    cv = tuple(jax.lax.dynamic_update_slice(c, s, (0, 0, 0, 0)) for c, s in zip(cache_v, cv))
+  return ck, cv, carried, outs
