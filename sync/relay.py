@@ -21,7 +21,7 @@ import time
 import aiohttp
 from aiohttp import web
 
-from sync import http
+from sync import transport
 from sync import manifest as manifest_lib
 
 _SLICE = 256 << 10
@@ -46,7 +46,7 @@ class _HttpUpstream:
   async def get(self, key):
     if self._session is None:
       self._session = aiohttp.ClientSession()
-    return await http.fetch(self._session, self._urls, key, stats=self._stats)
+    return await transport.fetch(self._session, self._urls, key, stats=self._stats)
 
   async def close(self):
     if self._session is not None:
@@ -57,7 +57,7 @@ class Relay:
   """Serves and caches store objects from an upstream (see module docstring)."""
 
   def __init__(self, upstream, *, cache_bytes: int = 8 << 30, index_ttl_s: float = 0.2):
-    self.upstream_stats = http.Stats()
+    self.upstream_stats = transport.Stats()
     if isinstance(upstream, (str, list, tuple)):
       self._up = _HttpUpstream(upstream, self.upstream_stats)
     else:
@@ -132,7 +132,7 @@ class Relay:
       data = await self.get(key)
     except KeyError:
       raise web.HTTPNotFound() from None
-    except (http.HttpError, OSError) as e:
+    except (transport.HttpError, OSError) as e:
       raise web.HTTPBadGateway(text=str(e)) from None
     start, status, headers = 0, 200, {}
     rng = request.headers.get("Range")
@@ -157,7 +157,7 @@ class Relay:
 
   def app(self) -> web.Application:
     app = web.Application()
-    app.router.add_get(http.OBJECT_PREFIX + "{key:.+}", self.handle)
+    app.router.add_get(transport.OBJECT_PREFIX + "{key:.+}", self.handle)
     return app
 
   async def close(self):

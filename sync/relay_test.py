@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from sync import http
+from sync import transport
 from sync import manifest as manifest_lib
 from sync import publisher
 from sync import relay
@@ -57,7 +57,7 @@ def test_two_clusters_fetch_each_object_once(tmp_path, servers):
   subs, sources = [], []
   for c in clusters:
     for _ in range(3):
-      src = http.HttpSource([c.url])
+      src = transport.HttpSource([c.url])
       sources.append(src)
       subs.append((subscriber.Subscriber(src, lambda f, v: None), src))
   for v, w in enumerate(hist):
@@ -82,7 +82,7 @@ def test_interrupted_transfer_resumes_with_range(tmp_path, servers):
   for w in hist:
     pub.publish(w)
   r = servers(CuttingRelay(st, cut_at=3000, cuts=3))
-  with http.HttpSource([r.url]) as src:
+  with transport.HttpSource([r.url]) as src:
     key = manifest_lib.delta_key(1)
     assert src.get(key) == st.get(key)
     assert src.stats.resumes >= 1
@@ -99,7 +99,7 @@ def test_relay_dying_mid_update_never_mixes_weights(tmp_path, servers):
   origin = servers(relay.Relay(st, index_ttl_s=0))
   dying = servers(CuttingRelay([origin.url], cut_at=2000, cuts=100, index_ttl_s=0))
   applied = []
-  with http.HttpSource([dying.url], attempts=2) as src:
+  with transport.HttpSource([dying.url], attempts=2) as src:
     sub = subscriber.Subscriber(src, lambda f, v: applied.append((v, f)))
     dying.relay.cuts = 0
     sub.poll()
@@ -113,7 +113,7 @@ def test_relay_dying_mid_update_never_mixes_weights(tmp_path, servers):
   # With a second relay to fail over to, the update completes, resuming mid-object.
   backup = servers(relay.Relay([origin.url], index_ttl_s=0))
   dying.relay.cuts = 1
-  with http.HttpSource([dying.url, backup.url]) as src:
+  with transport.HttpSource([dying.url, backup.url]) as src:
     sub.source = src
     r = sub.poll()
     assert r.version == 2 and src.stats.resumes >= 1

@@ -1,7 +1,7 @@
 """The sampler side: fetch, verify and decode new versions, then hand them over all at once.
 
 What: `Subscriber(source, apply_fn)` follows a store (directly, or through relays with
-`http.HttpSource`). `poll()` reads the index; if a newer version exists it plans the cheapest
+`transport.HttpSource`). `poll()` reads the index; if a newer version exists it plans the cheapest
 path (delta chain, or newest snapshot plus deltas, see `plan`), fetches each object, checks its
 size and hash against the manifest, checks each delta's parent digest against the version held,
 decodes into fresh arrays, verifies the result's digest, and only then calls
@@ -19,13 +19,13 @@ import threading
 import time
 
 from sync import delta
-from sync import http
+from sync import transport
 from sync import manifest as manifest_lib
 from sync import plan as plan_lib
 from sync import publisher
 
 _FAILURES = (delta.DeltaError, manifest_lib.ManifestError, plan_lib.PlanError, KeyError,
-             http.HttpError, OSError, ValueError)
+             transport.HttpError, OSError, ValueError)
 
 
 class SyncError(RuntimeError):
@@ -69,7 +69,7 @@ class Subscriber:
 
   def __init__(self, source, apply_fn, *, workers=None):
     """Args:
-      source: a `store.Store`, `http.HttpSource` or anything with `.get(key) -> bytes`.
+      source: a `store.Store`, `transport.HttpSource` or anything with `.get(key) -> bytes`.
       apply_fn: `apply_fn(flat_weights: dict[str, np.ndarray], version: int) -> None`, called
         with complete, verified weights; it should swap them into the sampler.
       workers: decode threads.
