@@ -1,0 +1,348 @@
+"""The RL grain pipeline: trajectory shards -> validated, grouped, scored episodes -> packed batches.
+
+Stages (each a grain IterDataset whose iterator state is JSON, so the whole pipeline is
+checkpointed with the train state and a restart neither repeats nor skips data):
+  1. `TrajectorySource`: reads finished shards of a trajectory directory (rl/trajectory_io.py) in
+     name order, record by record; its state is the set of finished shards plus the position in
+     the current one. With `follow=True` it waits for new shards (the asynchronous set-up).
+  2. `GroupAndScore`: validates each record (bad data is counted and logged, never fatal), drops
+     episodes whose every trained token is staler than the bound, collects the `group_size`
+     attempts of each prompt, computes GRPO advantages over the group (infrastructure failures
+     excluded from the statistics and from training) and emits one training example per episode.
+     Pending groups are kept in its state as (shard, index) references, not copies.
+  3. grain's first-fit packing puts several episodes into each row (segment ids, positions
+     restarting per episode), then batching and renaming to the learner's batch fields.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import time
+from typing import Any, Callable, Optional
+
+import grain
+import grain.experimental as grain_exp
+import numpy as np
+
+from rl import objectives
+from rl import trajectory_io
+from rl.episodes import Episode, RejectionLog, ValidationSpec, validate
+
+_log = logging.getLogger("rl.rl_data")
+
+
+class _ShardCache:
+  """Decoded records of recently used shards (most pipelines touch one or two at a time)."""
+
+  def __init__(self, directory: str, capacity: int = 4):
+    self.directory = directory
+    self.capacity = capacity
+    self._cache: collections.OrderedDict[str, list] = collections.OrderedDict()
+
+  def records(self, shard: str) -> list:
+    if shard in self._cache:
+      self._cache.move_to_end(shard)
+      return self._cache[shard]
+    recs = trajectory_io.read_shard(os.path.join(self.directory, shard))
+    self._cache[shard] = recs
+    while len(self._cache) > self.capacity:
+      self._cache.popitem(last=False)
+    return recs
+
+  def get(self, shard: str, index: int):
+    return self.records(shard)[index]
+
+
+class TrajectorySource(grain.IterDataset):
+  """Yields {"loc": [shard, index], "record": decoded msgpack or None} from a directory.
+
+  Args:
+    directory: the trajectory directory.
+    follow: wait for new shards instead of stopping when all are read.
+    poll_interval_s: how often to look for new shards while following.
+    idle_timeout_s: while following, stop after this long without a new shard (None: never).
+  """
+
+  def __init__(self, directory: str, *, follow: bool = False, poll_interval_s: float = 0.5,
+               idle_timeout_s: Optional[float] = None):
+    super().__init__()
+    self.directory = directory
+    self.follow = follow
+    self.poll_interval_s = poll_interval_s
+    self.idle_timeout_s = idle_timeout_s
+
+  def __iter__(self):
+    return _SourceIterator(self)
+
+
+class _SourceIterator(grain.DatasetIterator):
+
+  def __init__(self, ds: TrajectorySource):
+    super().__init__()
+    self._ds = ds
+    self._cache = _ShardCache(ds.directory)
+    self._done: set[str] = set()
+    self._current: Optional[str] = None
+    self._offset = 0
+
+  def _next_shard(self) -> Optional[str]:
+    waited = 0.0
+    while True:
+      todo = [n for n in trajectory_io.list_shards(self._ds.directory) if n not in self._done]
+      if todo:
+        return todo[0]
+      if not self._ds.follow:
+        return None
+      if self._ds.idle_timeout_s is not None and waited >= self._ds.idle_timeout_s:
+        return None
+      time.sleep(self._ds.poll_interval_s)
+      waited += self._ds.poll_interval_s
+
+  def __next__(self):
+    while True:
+      if self._current is None:
+        self._current = self._next_shard()
+        self._offset = 0
+        if self._current is None:
+          raise StopIteration
+      recs = self._cache.records(self._current)
+      if self._offset < len(recs):
+        loc = [self._current, self._offset]
+        self._offset += 1
+        return {"loc": loc, "record": recs[loc[1]]}
+      self._done.add(self._current)
+      self._current = None
+
+  def get_state(self) -> dict:
+    return {"done": sorted(self._done), "current": self._current, "offset": self._offset}
+
+  def set_state(self, state: dict) -> None:
+    self._done = set(state["done"])
+    self._current = state["current"]
+    self._offset = int(state["offset"])
+
+
+@dataclasses.dataclass
+class PipelineStats:
+  """Counters of the RL pipeline (restored with its state)."""
+
+  rejections: dict = dataclasses.field(default_factory=dict)
+  episodes: int = 0
+  stale_episodes: int = 0
+  infra_failures: int = 0
+  groups: int = 0
+  small_groups: int = 0
+  zero_advantage_groups: int = 0
+  evicted_groups: int = 0
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+  def load_json(self, data: dict) -> None:
+    for f in dataclasses.fields(self):
+      setattr(self, f.name, dict(data[f.name]) if f.name == "rejections" else int(data[f.name]))
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupingConfig:
+  """Grouping, scoring and filtering of episodes.
+
+  Attributes:
+    max_staleness: episodes whose every trained token comes from a policy more than this many
+      versions older than the learner are dropped (the learner masks individual stale tokens).
+    normalize_std: divide GRPO advantages by the group's reward std.
+    min_group_size: groups with fewer trainable attempts are dropped.
+    drop_zero_advantage: drop groups whose attempts all got the same reward (no signal).
+    max_pending_groups: when more groups are incomplete, the oldest is evicted (and counted).
+    include_routing: emit recorded routing for router replay.
+  """
+
+  max_staleness: int = 4
+  normalize_std: bool = True
+  min_group_size: int = 2
+  drop_zero_advantage: bool = False
+  max_pending_groups: int = 4096
+  include_routing: bool = True
+
+
+class GroupAndScore(grain.IterDataset):
+  """Validates, filters, groups and scores episodes; emits one example dict per episode."""
+
+  def __init__(self, parent: TrajectorySource, *, spec: ValidationSpec, config: GroupingConfig,
+               version_fn: Callable[[], int], stats: Optional[PipelineStats] = None):
+    super().__init__(parent)
+    self.spec = spec
+    self.config = config
+    self.version_fn = version_fn
+    self.stats = stats if stats is not None else PipelineStats()
+    self.directory = parent.directory
+
+  def __iter__(self):
+    return _GroupIterator(self, self._parent.__iter__())
+
+
+class _GroupIterator(grain.DatasetIterator):
+
+  def __init__(self, ds: GroupAndScore, parent: grain.DatasetIterator):
+    super().__init__(parent)
+    self._ds = ds
+    self._cfg = ds.config
+    self._cache = _ShardCache(ds.directory)
+    self._log = RejectionLog(_log, ds.stats.rejections)
+    ds.stats.rejections = self._log.counts
+    # group id -> {"size": int or None, "entries": [[shard, index, status], ...]}
+    self._pending: collections.OrderedDict[str, dict] = collections.OrderedDict()
+    self._ready: collections.deque = collections.deque()  # [shard, index, advantage]
+
+  # -- record handling -----------------------------------------------------------------------
+  def _episode(self, shard: str, index: int) -> Episode:
+    return Episode.from_record(self._cache.get(shard, index))
+
+  def _classify(self, item: dict):
+    """(group id or None, group size or None, status) of one raw record."""
+    rec, where = item["record"], "%s#%d" % tuple(item["loc"])
+    if rec is None:
+      self._log.reject("undecodable", where)
+      return None, None, "rejected"
+    try:
+      ep = Episode.from_record(rec)
+    except (KeyError, ValueError, TypeError) as e:
+      self._log.reject("malformed", f"{where} ({e})")
+      gid = rec.get("group_id") if isinstance(rec, dict) else None
+      return (str(gid) if gid is not None else None), None, "rejected"
+    reason = validate(ep, self._ds.spec)
+    if reason is not None:
+      self._log.reject(reason, where)
+      return ep.group_id, (ep.group_size if ep.group_size >= 1 else None), "rejected"
+    if ep.infra_failure:
+      self._ds.stats.infra_failures += 1
+      return ep.group_id, ep.group_size, "infra"
+    trained = ep.loss_mask.astype(bool)
+    lag = self._ds.version_fn() - int(ep.policy_versions[trained].max())
+    if lag > self._cfg.max_staleness:
+      self._ds.stats.stale_episodes += 1
+      return ep.group_id, ep.group_size, "stale"
+    return ep.group_id, ep.group_size, "ok"
+
+  def _add(self, item: dict) -> None:
+    gid, size, status = self._classify(item)
+    if gid is None:
+      return
+    group = self._pending.setdefault(gid, {"size": None, "entries": []})
+    if size is not None:
+      group["size"] = size
+    group["entries"].append([item["loc"][0], item["loc"][1], status])
+    if group["size"] is not None and len(group["entries"]) >= group["size"]:
+      del self._pending[gid]
+      self._finish(gid, group)
+    while len(self._pending) > self._cfg.max_pending_groups:
+      old_gid, old = self._pending.popitem(last=False)
+      self._ds.stats.evicted_groups += 1
+      _log.warning("evicting incomplete group %s (%d attempts)", old_gid, len(old["entries"]))
+
+  def _finish(self, gid: str, group: dict) -> None:
+    scored = [e for e in group["entries"] if e[2] in ("ok", "stale")]
+    ok = [e for e in group["entries"] if e[2] == "ok"]
+    if len(ok) < self._cfg.min_group_size:
+      self._ds.stats.small_groups += 1
+      return
+    rewards = np.array([self._episode(e[0], e[1]).reward for e in scored])
+    adv = objectives.group_advantages(rewards, normalize_std=self._cfg.normalize_std)
+    if np.all(adv == 0):
+      self._ds.stats.zero_advantage_groups += 1
+      if self._cfg.drop_zero_advantage:
+        return
+    self._ds.stats.groups += 1
+    for e, a in zip(scored, adv):
+      if e[2] == "ok":
+        self._ready.append([e[0], e[1], float(a)])
+
+  def _example(self, shard: str, index: int, adv: float) -> dict:
+    ep = self._episode(shard, index)
+    trained = ep.loss_mask.astype(bool)
+    lp = np.where(trained, ep.behaviour_logprobs, 0.0).astype(np.float32)
+    out = {
+        "tokens": ep.tokens.astype(np.int32),
+        "loss_mask": trained.astype(np.int32),
+        "behaviour_logprobs": lp,
+        "policy_versions": np.where(trained, ep.policy_versions, 0).astype(np.int32),
+        "advantages": np.full(ep.tokens.shape, adv, np.float32),
+    }
+    if self._cfg.include_routing:
+      out["routing"] = np.transpose(ep.routing, (1, 0, 2)).astype(np.uint8)
+    self._ds.stats.episodes += 1
+    return out
+
+  # -- iterator protocol ---------------------------------------------------------------------
+  def __next__(self) -> dict:
+    while not self._ready:
+      try:
+        item = next(self._parents[0])
+      except StopIteration:
+        for gid in self._pending:
+          _log.info("stream ended with incomplete group %s", gid)
+        raise
+      self._add(item)
+    shard, index, adv = self._ready.popleft()
+    return self._example(shard, index, adv)
+
+  def get_state(self) -> dict:
+    return {
+        "parent": self._parents[0].get_state(),
+        "pending": [[gid, g["size"], g["entries"]] for gid, g in self._pending.items()],
+        "ready": [list(r) for r in self._ready],
+        "stats": self._ds.stats.to_json(),
+    }
+
+  def set_state(self, state: dict) -> None:
+    self._parents[0].set_state(state["parent"])
+    self._pending = collections.OrderedDict(
+        (gid, {"size": size, "entries": [list(e) for e in entries]})
+        for gid, size, entries in state["pending"])
+    self._ready = collections.deque(list(r) for r in state["ready"])
+    self._ds.stats.load_json(state["stats"])
+    self._log.counts = self._ds.stats.rejections
+
+
+FIELDS = ("tokens", "loss_mask", "behaviour_logprobs", "policy_versions", "advantages")
+
+
+def _to_batch(packed: dict, include_routing: bool) -> dict:
+  out = {
+      "tokens": packed["tokens"],
+      "positions": packed["tokens_positions"],
+      "segment_ids": packed["tokens_segment_ids"],
+  }
+  for name in FIELDS[1:]:
+    out[name] = packed[name]
+  if include_routing:
+    out["routing"] = packed["routing"]
+  return out
+
+
+def rl_dataset(directory: str, *, spec: ValidationSpec, seq_len: int, batch_rows: int,
+               version_fn: Callable[[], int], config: GroupingConfig = GroupingConfig(),
+               stats: Optional[PipelineStats] = None, follow: bool = False,
+               idle_timeout_s: Optional[float] = None) -> grain.IterDataset:
+  """The RL pipeline over a trajectory directory; batches are dicts of [batch_rows, seq_len]
+  arrays (routing [batch_rows, seq_len, moe_layers, k]) as `rl.learner.Learner` expects.
+
+  `version_fn` returns the learner's current policy version (for the staleness filter);
+  `stats` (optional) receives the pipeline's counters.
+  """
+  if spec.max_len > seq_len:
+    raise ValueError(f"spec.max_len ({spec.max_len}) exceeds seq_len ({seq_len})")
+  if config.include_routing and not spec.require_routing:
+    raise ValueError("include_routing needs spec.require_routing (and routing_shape)")
+  src = TrajectorySource(directory, follow=follow, idle_timeout_s=idle_timeout_s)
+  grouped = GroupAndScore(src, spec=spec, config=config, version_fn=version_fn, stats=stats)
+  fields = FIELDS + (("routing",) if config.include_routing else ())
+  packed = grain_exp.FirstFitPackIterDataset(
+      grouped, length_struct={f: seq_len for f in fields}, num_packing_bins=batch_rows,
+      shuffle_bins=False)
+  return packed.batch(batch_rows, drop_remainder=True).map(
+      lambda b: _to_batch(b, config.include_routing))
+
