@@ -90,6 +90,14 @@ def _dense_prefix(hf, num_layers, num_experts, where) -> int:
   return len(dense)
 
 
+def _head_dim(hf, heads):
+  """An explicit head_dim, or None when it is the default hidden_size // num_heads."""
+  hd = hf.get("head_dim")
+  if not hd or int(hd) == int(hf.get("hidden_size", 0)) // heads:
+    return None
+  return int(hd)
+
+
 def config_from_hf(hf: Mapping[str, Any], where: str = "config.json") -> ModelConfig:
   """A ModelConfig from a Mixtral or Qwen3-MoE config.json dict.
 
@@ -131,7 +139,7 @@ def config_from_hf(hf: Mapping[str, Any], where: str = "config.json") -> ModelCo
         num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=int(hf["head_dim"]) if hf.get("head_dim") else None,
+        head_dim=_head_dim(hf, heads),
         intermediate_size=int(hf.get("intermediate_size") or moe_inter),
         moe_intermediate_size=moe_inter,
         num_experts=num_experts,

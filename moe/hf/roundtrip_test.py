@@ -1,0 +1,131 @@
+"""Export: import -> export -> import is bit-exact, and transformers loads what we write."""
+
+import json
+import sys
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+from moe import build
+from moe import hf
+from moe import params
+from moe.config import ModelConfig
+from moe.hf import testutil as tu
+
+
+def _file_tensors(path):
+  """{name: array} over every shard of a checkpoint directory (test-sized checkpoints only)."""
+  out = {}
+  for f in sorted(path.glob("*.safetensors")):
+    with safe_open(str(f), "flax") as h:
+      for k in h.keys():
+        assert k not in out, k
+        out[k] = np.asarray(h.get_tensor(k))
+  return out
+
+
+@pytest.mark.parametrize("config", [tu.mixtral_config, tu.qwen3_config])
+def test_import_export_import_is_bit_exact(tmp_path, config):
+  ref = tu.make_model(config())
+  tu.save(ref, tmp_path / "hf")
+  model = hf.load_pretrained(tmp_path / "hf")
+  written = hf.save_pretrained(model, tmp_path / "ours", max_shard_size="50KB")
+  assert (tmp_path / "ours" / "model.safetensors.index.json").exists() and len(written) > 4
+
+  again = hf.load_pretrained(tmp_path / "ours")
+  assert again.config == model.config and again.hf_architecture == model.hf_architecture
+  a, b = params.flatten(model), params.flatten(again)
+  assert a.keys() == b.keys()
+  for name in a:
+    assert a[name].dtype == b[name].dtype and np.array_equal(a[name], b[name]), name
+
+  # The files hold exactly the tensors transformers wrote (classic per-expert layout).
+  theirs, ours = _file_tensors(tmp_path / "hf"), _file_tensors(tmp_path / "ours")
+  assert theirs.keys() == ours.keys()
+  for name in theirs:
+    assert theirs[name].dtype == ours[name].dtype and np.array_equal(theirs[name], ours[name]), name
+
+  # transformers loads the export and computes exactly what the original computed.
+  toks = tu.tokens()
+  want, want_topk = tu.forward(ref, toks)
+  got, got_topk = tu.forward(tu.load(tmp_path / "ours"), toks)
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(got_topk, want_topk)
+
+
+def test_bfloat16_round_trip_is_bit_exact(tmp_path):
+  import torch
+  tu.save(tu.make_model(tu.qwen3_config(), dtype=torch.bfloat16), tmp_path / "hf")
+  model = hf.load_pretrained(tmp_path / "hf")
+  hf.save_pretrained(model, tmp_path / "ours")
+  assert json.loads((tmp_path / "ours" / "config.json").read_text())["dtype"] == "bfloat16"
+  theirs, ours = _file_tensors(tmp_path / "hf"), _file_tensors(tmp_path / "ours")
+  assert theirs.keys() == ours.keys()
+  for name in theirs:
+    assert ours[name].dtype.name == "bfloat16"
+    assert np.array_equal(theirs[name].view(np.uint16), ours[name].view(np.uint16)), name
+
+
+@pytest.mark.parametrize("hf_config", [
+    tu.mixtral_config(),
+    tu.qwen3_config(tie_word_embeddings=True, norm_topk_prob=True),
+])
+def test_created_model_exports_and_transformers_agrees(tmp_path, hf_config):
+  """A model made by build.create (no HF origin) exports with an explicit architecture."""
+  arch = hf_config.architectures[0] if hf_config.architectures else (
+      "MixtralForCausalLM" if hf_config.model_type == "mixtral" else "Qwen3MoeForCausalLM")
+  cfg = hf.config_from_hf({**hf_config.to_dict(), "architectures": [arch]})
+  model = build.create(cfg, seed=3)
+  with pytest.raises(hf.CheckpointError, match="architecture"):
+    hf.save_pretrained(model, tmp_path / "x")
+  hf.save_pretrained(model, tmp_path / "out", architecture=arch)
+  assert hf.config_from_hf(json.loads((tmp_path / "out" / "config.json").read_text())) == cfg
+  ref = tu.load(tmp_path / "out")
+  assert type(ref).__name__ == arch
+  toks = tu.tokens(seed=2)
+  want, want_topk = tu.forward(ref, toks)
+  out = model(toks)
+  np.testing.assert_allclose(np.asarray(out.logits), want, rtol=0, atol=1e-4)
+  np.testing.assert_array_equal(np.sort(np.asarray(out.routing), axis=-1), want_topk)
+  again = params.flatten(hf.load_pretrained(tmp_path / "out"))
+  for name, value in params.flatten(model).items():
+    assert np.array_equal(value, again[name]), name
+
+
+def test_export_cast_and_single_file(tmp_path):
+  model = build.create(ModelConfig(vocab_size=tu.VOCAB, qk_norm=True), seed=0)
+  written = hf.save_pretrained(model, tmp_path, architecture="Qwen3MoeForCausalLM",
+                               dtype="bfloat16")
+  assert [p.rsplit("/", 1)[-1] for p in written] == ["model.safetensors", "config.json"]
+  loaded = hf.load_pretrained(tmp_path)
+  assert loaded.config.param_dtype == "bfloat16"
+  for name, value in params.flatten(model).items():
+    np.testing.assert_array_equal(params.flatten(loaded)[name],
+                                  value.astype(params.flatten(loaded)[name].dtype))
+
+
+def test_resave_removes_stale_shards(tmp_path):
+  model = build.create(ModelConfig(vocab_size=tu.VOCAB), seed=0)
+  hf.save_pretrained(model, tmp_path, architecture="MixtralForCausalLM", max_shard_size="20KB")
+  assert (tmp_path / "model.safetensors.index.json").exists()
+  hf.save_pretrained(model, tmp_path, architecture="MixtralForCausalLM")
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+  hf.load_pretrained(tmp_path)
+
+
+def test_unexportable_configs_raise(tmp_path):
+  for cfg, arch, msg in [
+      (ModelConfig(router_type="sigmoid"), "MixtralForCausalLM", "router_type"),
+      (ModelConfig(num_shared_experts=1), "Qwen3MoeForCausalLM", "shared experts"),
+      (ModelConfig(first_k_dense=1), "MixtralForCausalLM", "dense layers"),
+      (ModelConfig(qk_norm=False), "Qwen3MoeForCausalLM", "qk_norm"),
+      (ModelConfig(), "LlamaForCausalLM", "unknown architecture"),
+  ]:
+    with pytest.raises(hf.CheckpointError, match=msg):
+      hf.save_pretrained(build.abstract(cfg), tmp_path, architecture=arch)
+  assert not any(tmp_path.iterdir())  # refused before writing anything
+
+
+if __name__ == "__main__":
+  sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
