@@ -49,6 +49,7 @@ class WarmPool:
     self._own_root = root is None
     self.root = root or tempfile.mkdtemp(prefix="envs-fleet-")
     os.chmod(self.root, 0o711)
+    self.pycache = None if self.degraded else slot_lib.compile_zygote(self.features, self.root)
     self._idle: collections.deque[slot_lib.Slot] = collections.deque()
     self._cv = threading.Condition()
     self._live = 0  # idle + in use + starting
@@ -79,9 +80,11 @@ class WarmPool:
           return
         self._starting += 1
         self._live += 1
+        self.stats["peak_live"] = max(self.stats["peak_live"], self._live)
       slot = None
       try:
-        slot = slot_lib.Slot(self.root, self.features, degraded=self.degraded)
+        slot = slot_lib.Slot(self.root, self.features, degraded=self.degraded,
+                             pycache=self.pycache)
         slot.wait_ready()
       except Exception:  # pylint: disable=broad-except
         self.stats["spawn_failures"] += 1

@@ -37,6 +37,37 @@ _IDS = itertools.count()
 _ZYGOTE_MB = 48
 
 
+def compile_zygote(features: hostcheck.HostFeatures, root: str) -> str | None:
+  """Byte-compiles the in-sandbox modules once, with the sandbox's python, into root/pycache.
+
+  Bind-mounted at /opt/envs/__pycache__, it saves every sandbox start compiling them (~10 ms).
+  The .pyc files record the sources' mtime and size, which the bind mounts preserve.
+  """
+  if not features.python:
+    return None
+  out = os.path.join(root, "pycache")
+  os.makedirs(out, exist_ok=True)
+  tag = subprocess.run([features.python, "-c", "import sys; print(sys.implementation.cache_tag)"],
+                       capture_output=True, text=True, check=False).stdout.strip()
+  if not tag:
+    return None
+  code = ("import py_compile, sys\n"
+          "for src in sys.argv[2:]:\n"
+          "  name = src.rsplit('/', 1)[1][:-3]\n"
+          "  py_compile.compile(src, cfile=f'{sys.argv[1]}/{name}.' + sys.implementation.cache_tag"
+          " + '.pyc', doraise=True)\n")
+  srcs = [os.path.join(_HERE, n) for n in ("sandbox_agent.py", "sandbox_audit.py",
+                                           "testrunner.py")]
+  r = subprocess.run([features.python, "-c", code, out] + srcs, capture_output=True,
+                     check=False)
+  if r.returncode != 0:
+    return None
+  os.chmod(out, 0o755)
+  for name in os.listdir(out):
+    os.chmod(os.path.join(out, name), 0o644)
+  return out
+
+
 class SlotError(RuntimeError):
   """The sandbox itself failed (infrastructure), not the code in it."""
 
@@ -74,8 +105,10 @@ def _cgroup_write(path: str, value: str) -> None:
 class Slot:
   """A started sandbox. Not thread-safe for concurrent requests; one episode owns it."""
 
-  def __init__(self, root: str, features: hostcheck.HostFeatures, *, degraded: bool = False):
+  def __init__(self, root: str, features: hostcheck.HostFeatures, *, degraded: bool = False,
+               pycache: str | None = None):
     self.id = next(_IDS)
+    self.pycache = pycache
     self.features = features
     self.degraded = degraded
     self.dir = os.path.join(root, f"slot-{self.id}")
@@ -130,6 +163,8 @@ class Slot:
             "--bind", self.workspace, "/workspace"]
     for src, dst in envs_files:
       argv += ["--ro-bind", os.path.join(_HERE, src), dst]
+    if self.pycache:
+      argv += ["--ro-bind", self.pycache, "/opt/envs/__pycache__"]
     argv += ["--remount-ro", "/", "--chdir", "/workspace", self.features.python, "-s", "-B",
              "/opt/envs/sandbox_agent.py", "--ns"]
     return argv
