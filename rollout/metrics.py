@@ -1,0 +1,43 @@
+"""Prometheus text exposition of the engine's counters and gauges (`GET /metrics`).
+
+What: `render(snapshot)` turns `Engine.metrics()` into the Prometheus text format (version 0.0.4)
+with HELP/TYPE lines. Kept dependency-free: the format is a few lines and the set is fixed.
+"""
+
+from __future__ import annotations
+
+# name in Engine.metrics() -> (metric name, type, help)
+_METRICS = (
+    ("queue_depth", "rollout_queue_depth", "gauge", "Requests waiting for a slot."),
+    ("queued_completions", "rollout_queued_completions", "gauge",
+     "Completions (sum of n) waiting for a slot."),
+    ("active_slots", "rollout_active_slots", "gauge", "Slots generating now."),
+    ("max_slots", "rollout_max_slots", "gauge", "Decode batch slots."),
+    ("batch_occupancy", "rollout_batch_occupancy", "gauge", "active_slots / max_slots."),
+    ("tokens_per_second", "rollout_tokens_per_second", "gauge",
+     "Generated tokens per second over the last 10 s."),
+    ("policy_version", "rollout_policy_version", "gauge", "Version of the served weights."),
+    ("last_swap_pause_seconds", "rollout_last_swap_pause_seconds", "gauge",
+     "Decode pause of the last weight swap."),
+    ("requests_total", "rollout_requests_total", "counter", "Requests accepted."),
+    ("completions_total", "rollout_completions_total", "counter", "Completions returned."),
+    ("generated_tokens_total", "rollout_generated_tokens_total", "counter", "Tokens generated."),
+    ("prompt_tokens_total", "rollout_prompt_tokens_total", "counter", "Prompt tokens prefilled."),
+    ("rejected_total", "rollout_rejected_total", "counter", "Requests refused: queue full."),
+    ("timeout_total", "rollout_timeout_total", "counter", "Requests ended by their timeout."),
+    ("cancelled_total", "rollout_cancelled_total", "counter", "Requests cancelled."),
+    ("swaps_total", "rollout_swaps_total", "counter", "Weight swaps applied."),
+    ("decode_calls_total", "rollout_decode_calls_total", "counter", "Decode device calls."),
+    ("prefill_calls_total", "rollout_prefill_calls_total", "counter", "Prefill device calls."),
+)
+
+
+def render(snapshot: dict, extra: dict | None = None) -> str:
+  """Prometheus text for an `Engine.metrics()` snapshot (+ extra {name: (type, help, value)})."""
+  lines = []
+  for key, name, kind, help_ in _METRICS:
+    lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}",
+              f"{name} {float(snapshot.get(key, 0)):g}"]
+  for name, (kind, help_, value) in (extra or {}).items():
+    lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {float(value):g}"]
+  return "\n".join(lines) + "\n"

@@ -1,0 +1,225 @@
+"""OpenAI completions protocol: validating request bodies and shaping responses.
+
+What: `parse_completion_request(body, tokenizer, vocab_size)` turns a decoded JSON body of
+`POST /v1/completions` into prompts (token-id lists) and `SamplingParams`, raising `BadRequest`
+with a message that names the offending field; `choice_json` / `chunk_json` build the response
+objects, adding the sampler's extra fields (`token_ids`, `routing`, `policy_version`,
+`policy_versions`, `prompt_routing`) next to the OpenAI ones.
+
+Why strict: RL clients and users both send to this endpoint; an unknown or mistyped field is far
+more often a bug than an intent, so it is rejected (400) rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from rollout.sampling import SamplingParams
+
+MAX_N = 128
+MAX_STOP_STRINGS = 4
+
+# Fields the OpenAI client may send that we accept (with their meaning below) and our extras.
+_OPENAI_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream",
+                  "logprobs", "stop", "seed", "user", "echo", "presence_penalty",
+                  "frequency_penalty", "best_of", "logit_bias", "suffix", "stream_options"}
+_EXTRA_FIELDS = {"top_k", "stop_token_ids", "ignore_eos", "timeout", "return_routing",
+                 "return_prompt_routing"}
+
+
+class BadRequest(ValueError):
+  """A client error; the message is returned in the 400 response."""
+
+
+def _int(body, name, default, lo=None, hi=None):
+  v = body.get(name, default)
+  if v is None:
+    return default
+  if isinstance(v, bool) or not isinstance(v, int):
+    raise BadRequest(f"'{name}' must be an integer, got {type(v).__name__} {v!r}")
+  if lo is not None and v < lo:
+    raise BadRequest(f"'{name}' must be >= {lo}, got {v}")
+  if hi is not None and v > hi:
+    raise BadRequest(f"'{name}' must be <= {hi}, got {v}")
+  return v
+
+
+def _num(body, name, default, lo, hi):
+  v = body.get(name, default)
+  if v is None:
+    return default
+  if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+    raise BadRequest(f"'{name}' must be a number, got {v!r}")
+  if not lo <= v <= hi:
+    raise BadRequest(f"'{name}' must lie in [{lo}, {hi}], got {v}")
+  return float(v)
+
+
+def _bool(body, name, default):
+  v = body.get(name, default)
+  if v is None:
+    return default
+  if not isinstance(v, bool):
+    raise BadRequest(f"'{name}' must be true or false, got {v!r}")
+  return v
+
+
+def _token_list(x, vocab_size: int, where: str) -> list:
+  if not x:
+    raise BadRequest(f"{where} is empty")
+  for i, t in enumerate(x):
+    if isinstance(t, bool) or not isinstance(t, int):
+      raise BadRequest(f"{where}[{i}] must be an integer token id, got {t!r}")
+    if not 0 <= t < vocab_size:
+      raise BadRequest(f"{where}[{i}] = {t} is outside the vocabulary (size {vocab_size})")
+  return list(x)
+
+
+def parse_prompts(prompt: Any, tokenizer, vocab_size: int) -> list:
+  """'prompt' as text, token ids, or a list of either -> list of token-id lists."""
+  def text(s, where):
+    if tokenizer is None:
+      raise BadRequest(f"{where} is text but this model has no tokenizer; send token ids")
+    ids = tokenizer.encode(s)
+    return _token_list(ids, vocab_size, f"{where} (encoded)")
+
+  if isinstance(prompt, str):
+    return [text(prompt, "'prompt'")]
+  if isinstance(prompt, list) and prompt:
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+      return [_token_list(prompt, vocab_size, "'prompt'")]
+    out = []
+    for i, p in enumerate(prompt):
+      where = f"'prompt'[{i}]"
+      if isinstance(p, str):
+        out.append(text(p, where))
+      elif isinstance(p, list):
+        out.append(_token_list(p, vocab_size, where))
+      else:
+        raise BadRequest(f"{where} must be a string or a list of token ids, got {p!r}")
+    return out
+  if isinstance(prompt, list):
+    raise BadRequest("'prompt' is empty")
+  raise BadRequest("'prompt' must be a string, a list of token ids, or a list of those; "
+                   f"got {type(prompt).__name__}")
+
+
+def parse_completion_request(body: Any, tokenizer, vocab_size: int,
+                             max_tokens_limit: int) -> dict:
+  """Validates a completions request.
+
+  Returns:
+    dict(prompts=[token-id lists], params=SamplingParams, stream=bool, logprobs=bool,
+    timeout=float or None, return_routing=bool, return_prompt_routing=bool, model=str or None).
+
+  Raises:
+    BadRequest: with a message naming the field.
+  """
+  if not isinstance(body, dict):
+    raise BadRequest("the request body must be a JSON object")
+  unknown = sorted(set(body) - _OPENAI_FIELDS - _EXTRA_FIELDS)
+  if unknown:
+    raise BadRequest(f"unknown field(s) {unknown}; accepted: "
+                     f"{sorted(_OPENAI_FIELDS | _EXTRA_FIELDS)}")
+  if "prompt" not in body:
+    raise BadRequest("'prompt' is required")
+  model = body.get("model")
+  if model is not None and not isinstance(model, str):
+    raise BadRequest("'model' must be a string")
+  prompts = parse_prompts(body["prompt"], tokenizer, vocab_size)
+  n = _int(body, "n", 1, 1, MAX_N)
+  best_of = _int(body, "best_of", None, 1)
+  if best_of is not None and best_of != n:
+    raise BadRequest("'best_of' is not supported (it must equal 'n' when given)")
+  max_tokens = _int(body, "max_tokens", 16, 1, max_tokens_limit)
+  logprobs = _int(body, "logprobs", None, 0)
+  if logprobs:
+    raise BadRequest(f"'logprobs' = {logprobs} asks for top alternatives, which are not "
+                     "computed; send 'logprobs': 0 to get each sampled token's logprob")
+  if _bool(body, "echo", False):
+    raise BadRequest("'echo' is not supported")
+  for name in ("presence_penalty", "frequency_penalty"):
+    if _num(body, name, 0.0, -2.0, 2.0) != 0.0:
+      raise BadRequest(f"'{name}' is not supported (only 0)")
+  if body.get("logit_bias"):
+    raise BadRequest("'logit_bias' is not supported")
+  if body.get("suffix") is not None:
+    raise BadRequest("'suffix' is not supported")
+  so = body.get("stream_options")
+  if so is not None and not isinstance(so, dict):
+    raise BadRequest("'stream_options' must be an object")
+  stop = body.get("stop")
+  if stop is None:
+    stop = []
+  elif isinstance(stop, str):
+    stop = [stop]
+  if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+    raise BadRequest("'stop' must be a non-empty string or a list of them")
+  if len(stop) > MAX_STOP_STRINGS:
+    raise BadRequest(f"at most {MAX_STOP_STRINGS} stop strings")
+  if stop and tokenizer is None:
+    raise BadRequest("'stop' strings need a tokenizer; use 'stop_token_ids'")
+  stop_ids = body.get("stop_token_ids") or []
+  if not isinstance(stop_ids, list):
+    raise BadRequest("'stop_token_ids' must be a list of token ids")
+  if stop_ids:
+    _token_list(stop_ids, vocab_size, "'stop_token_ids'")
+  seed = body.get("seed")
+  if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+    raise BadRequest(f"'seed' must be an integer, got {seed!r}")
+  if seed is not None and not -2**63 <= seed < 2**64:
+    raise BadRequest("'seed' is out of range")
+  user = body.get("user")
+  if user is not None and not isinstance(user, str):
+    raise BadRequest("'user' must be a string")
+  timeout = body.get("timeout")
+  if timeout is not None:
+    timeout = _num(body, "timeout", None, 0.001, 24 * 3600)
+  try:
+    params = SamplingParams(
+        n=n, max_tokens=max_tokens, temperature=_num(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_num(body, "top_p", 1.0, 1e-9, 1.0), top_k=_int(body, "top_k", 0, 0),
+        stop_token_ids=tuple(stop_ids), stop=tuple(stop), seed=seed,
+        ignore_eos=_bool(body, "ignore_eos", False))
+  except ValueError as e:
+    raise BadRequest(str(e)) from None
+  return {"prompts": prompts, "params": params, "stream": _bool(body, "stream", False),
+          "logprobs": logprobs is not None, "timeout": timeout,
+          "return_routing": _bool(body, "return_routing", True),
+          "return_prompt_routing": _bool(body, "return_prompt_routing", False), "model": model}
+
+
+def logprobs_json(tokenizer, token_ids, logprobs, offset: int = 0) -> dict:
+  """OpenAI completions `logprobs` object (top_logprobs is not computed)."""
+  toks = [tokenizer.decode([t]) if tokenizer is not None else str(t) for t in token_ids]
+  offsets, pos = [], offset
+  for s in toks:
+    offsets.append(pos)
+    pos += len(s)
+  return {"tokens": toks, "token_logprobs": list(logprobs), "top_logprobs": None,
+          "text_offset": offsets}
+
+
+def choice_json(index: int, completion, tokenizer, *, logprobs: bool, return_routing: bool,
+                return_prompt_routing: bool) -> dict:
+  """One `choices[i]` entry with the sampler's extra fields."""
+  versions = list(completion.policy_versions)
+  out = {"index": index, "text": completion.text,
+         "logprobs": (logprobs_json(tokenizer, completion.token_ids, completion.logprobs)
+                      if logprobs else None),
+         "finish_reason": completion.finish_reason,
+         "token_ids": list(completion.token_ids),
+         "policy_version": versions[-1] if versions else None,
+         "policy_versions": versions}
+  if return_routing:
+    out["routing"] = (completion.routing.tolist()
+                      if completion.routing is not None else None)
+  if return_prompt_routing:
+    out["prompt_routing"] = (completion.prompt_routing.tolist()
+                             if completion.prompt_routing is not None else None)
+  return out
+
+
+def error_json(message: str, kind: str = "invalid_request_error",
+               code: Optional[str] = None) -> dict:
+  return {"error": {"message": message, "type": kind, "param": None, "code": code}}

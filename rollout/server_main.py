@@ -1,0 +1,104 @@
+"""Starts the sampling server: `bazel run //rollout:server -- --hf_checkpoint=DIR --port=PORT`.
+
+Sources of weights (exactly one): `--hf_checkpoint DIR` (imported through `moe.hf`),
+`--checkpoint DIR` (a project checkpoint, `moe.checkpoint`), or `--gin_file` model presets
+(random init with `--seed`; e.g. `--gin_file=moe/configs/tiny.gin`). Engine settings come from
+flags or gin bindings of `rollout.EngineConfig` (`--gin_param=EngineConfig.max_slots=32`).
+gin is used only here, at the edge; the library takes plain arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+from typing import Optional, Sequence
+
+import gin
+
+from rollout import loading
+from rollout import server as server_lib
+from rollout import tokenizers
+from rollout.engine import Engine, EngineConfig
+from tools import configs
+
+GinEngineConfig = gin.external_configurable(EngineConfig, module="rollout")
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--hf_checkpoint", help="Hugging Face checkpoint directory (moe.hf import)")
+  p.add_argument("--checkpoint", help="project checkpoint directory (moe.checkpoint)")
+  p.add_argument("--gin_file", action="append", default=[], help="gin files (model presets)")
+  p.add_argument("--gin_param", action="append", default=[], help="gin bindings")
+  p.add_argument("--seed", type=int, default=0, help="init seed for --gin_file models")
+  p.add_argument("--host", default="127.0.0.1")
+  p.add_argument("--port", type=int, default=8000)
+  p.add_argument("--admin_port", type=int, default=None,
+                 help="admin port (default: port + 1; -1 disables the admin endpoints)")
+  p.add_argument("--admin_token", default=os.environ.get("ROLLOUT_ADMIN_TOKEN"),
+                 help="require 'Authorization: Bearer TOKEN' on admin requests "
+                      "(default: $ROLLOUT_ADMIN_TOKEN)")
+  p.add_argument("--model_name", default=None, help="name reported by /v1/models")
+  p.add_argument("--max_slots", type=int, default=None)
+  p.add_argument("--max_len", type=int, default=None, help="context length (KV cache per slot)")
+  p.add_argument("--decode_steps", type=int, default=None)
+  p.add_argument("--max_queue", type=int, default=None)
+  p.add_argument("--deterministic", action="store_true", default=None)
+  p.add_argument("--request_timeout", type=float, default=600.0)
+  return p.parse_args(argv)
+
+
+def _eos_from_hf(path: str) -> tuple:
+  try:
+    with open(os.path.join(path, "config.json")) as f:
+      eos = json.load(f).get("eos_token_id")
+  except (OSError, ValueError):
+    return ()
+  if eos is None:
+    return ()
+  return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def build_engine(args: argparse.Namespace) -> Engine:
+  """The engine the flags describe (weights loaded, loop started)."""
+  configs.parse(args.gin_file, args.gin_param)
+  cfg = None
+  if args.hf_checkpoint is None and args.checkpoint is None:
+    if not args.gin_file:
+      raise SystemExit("give --hf_checkpoint, --checkpoint or --gin_file (a model preset)")
+    cfg = configs.model_config()
+  model = loading.load_model(hf_checkpoint=args.hf_checkpoint, checkpoint=args.checkpoint,
+                             config=cfg, seed=args.seed, max_seq_len=args.max_len)
+  tok = tokenizers.for_checkpoint(args.hf_checkpoint, model.config.vocab_size)
+  ec = GinEngineConfig()
+  over = {k: getattr(args, k) for k in ("max_slots", "max_len", "decode_steps", "max_queue",
+                                          "deterministic") if getattr(args, k) is not None}
+  eos = _eos_from_hf(args.hf_checkpoint) if args.hf_checkpoint else ()
+  if not eos and tok is not None and tok.eos_id is not None:
+    eos = (tok.eos_id,)
+  if eos and not ec.eos_token_ids:
+    over["eos_token_ids"] = tuple(t for t in eos if t < model.config.vocab_size)
+  ec = dataclasses.replace(ec, **over)
+  return Engine(model, config=ec, tokenizer=tok)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+  logging.basicConfig(level=logging.INFO)
+  args = parse_args(argv)
+  engine = build_engine(args)
+  admin_port = args.port + 1 if args.admin_port is None else args.admin_port
+  cfg = engine.model_config
+  name = args.model_name or os.path.basename(os.path.normpath(
+      args.hf_checkpoint or args.checkpoint or (args.gin_file or ["moe"])[-1]))
+  server_lib.serve(engine, host=args.host, port=args.port,
+                   admin_port=None if admin_port < 0 else admin_port, model_name=name,
+                   admin_token=args.admin_token, request_timeout=args.request_timeout,
+                   load_flat=lambda path: loading.load_flat(path, cfg))
+
+
+if __name__ == "__main__":
+  sys.exit(main())
