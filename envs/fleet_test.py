@@ -5,10 +5,10 @@ import sys
 import pytest
 
 from envs import fleet
-from envs import inprocess_policy_test
 from envs import inprocess_policy
 from envs import metrics
 from envs import suite_pyfunc
+from envs import testing
 from moe import tokenizer as tokenizer_lib
 
 TOK = tokenizer_lib.ByteTokenizer()
@@ -35,7 +35,7 @@ def test_burst_of_100_sandbox_jobs_bounded():
 
 def test_single_turn_episodes_over_the_fleet():
   ts = suite_pyfunc.generate()[:12]
-  gen = inprocess_policy_test.scripted_generate(["    return 0\n"])
+  gen = testing.scripted_generate(["    return 0\n"])
   pol = inprocess_policy.InProcessPolicy(gen, TOK)
   jobs = [fleet.Job(t.task_id, fleet.single_turn_job, {"task": t, "policy": pol, "n": 2})
           for t in ts]

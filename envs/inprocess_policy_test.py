@@ -1,6 +1,5 @@
 """Tests for InProcessPolicy and single-turn episodes, over a scripted `generate` callable."""
 
-import dataclasses
 import sys
 
 import numpy as np
@@ -12,39 +11,14 @@ from envs import policy as policy_lib
 from envs import pool as pool_lib
 from envs import single_turn
 from envs import suite_pyfunc
+from envs import testing
 from moe import tokenizer as tokenizer_lib
 
 TOK = tokenizer_lib.ByteTokenizer()
 
 
-@dataclasses.dataclass
-class Comp:
-  token_ids: list
-  logprobs: list
-  routing: np.ndarray
-  policy_versions: object
-
-
-def scripted_generate(bodies, version=3):
-  """A generate callable whose i-th sample is bodies[i % len] (+ EOS), with fake routing."""
-  calls = []
-
-  def generate(prompt_token_ids, *, n, max_tokens, temperature, stop_token_ids, seed):
-    calls.append(dict(prompt=list(prompt_token_ids), n=n, max_tokens=max_tokens,
-                      stop_token_ids=stop_token_ids, seed=seed))
-    out = []
-    for i in range(n):
-      ids = (TOK.encode(bodies[i % len(bodies)]) + [TOK.eos_id])[:max_tokens]
-      routing = np.arange(2 * len(ids) * 2).reshape(2, len(ids), 2)
-      out.append(Comp(ids, [-0.1 * (j + 1) for j in range(len(ids))], routing, version))
-    return out
-
-  generate.calls = calls
-  return generate
-
-
 def test_adapter_cuts_at_stop_strings_and_eos():
-  gen = scripted_generate(["abc</tool_call>tail", "xyz"])
+  gen = testing.scripted_generate(["abc</tool_call>tail", "xyz"])
   pol = inprocess_policy.InProcessPolicy(gen, TOK, add_bos=True)
   a, b = pol.complete(TOK.encode("hi"), max_tokens=50, stop=["</tool_call>"], n=2)
   assert gen.calls[0]["prompt"][0] == TOK.bos_id
@@ -73,7 +47,7 @@ def test_single_turn_group_rewards(pool):
   task = next(t for t in suite_pyfunc.generate() if t.entry_point == "reverse")
   bodies = ["    return s[::-1]\n", "    return s\n", "    return ''.join(reversed(s))\n",
             "    return s[::-1]\n\ndef extra():\n    pass\n", "    retur (\n"]
-  pol = inprocess_policy.InProcessPolicy(scripted_generate(bodies), TOK, add_bos=True)
+  pol = inprocess_policy.InProcessPolicy(testing.scripted_generate(bodies), TOK, add_bos=True)
   trs = single_turn.run_single_turn(task, pol, pool=pool, n=5, seed=1)
   assert [t.reward for t in trs] == [1.0, 0.0, 1.0, 1.0, 0.0]
   seg = trs[0].segments[0]

@@ -47,9 +47,12 @@ class WarmPool:
     self.size = size
     self.max_live = max(max_live or 4 * size, size, 1)
     self._own_root = root is None
-    self.root = root or tempfile.mkdtemp(prefix="envs-fleet-")
+    # Under /tmp (not $TMPDIR, which Bazel points under /root): the sandbox uid must be able to
+    # traverse every directory above a bind-mounted path.
+    self.root = root or tempfile.mkdtemp(prefix="envs-fleet-",
+                                         dir=os.environ.get("ENVS_SANDBOX_ROOT", "/tmp"))
     os.chmod(self.root, 0o711)
-    self.pycache = None if self.degraded else slot_lib.compile_zygote(self.features, self.root)
+    self.opt_dir = slot_lib.prepare_opt(self.features, self.root)
     self._idle: collections.deque[slot_lib.Slot] = collections.deque()
     self._cv = threading.Condition()
     self._live = 0  # idle + in use + starting
@@ -84,7 +87,7 @@ class WarmPool:
       slot = None
       try:
         slot = slot_lib.Slot(self.root, self.features, degraded=self.degraded,
-                             pycache=self.pycache)
+                             opt_dir=self.opt_dir)
         slot.wait_ready()
       except Exception:  # pylint: disable=broad-except
         self.stats["spawn_failures"] += 1

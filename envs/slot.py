@@ -33,39 +33,38 @@ from envs import hostcheck
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _IDS = itertools.count()
+_IN_SANDBOX = ("sandbox_agent.py", "sandbox_audit.py", "testrunner.py")
 # Extra memory for the zygote itself and tmpfs metadata on top of what the command may use.
 _ZYGOTE_MB = 48
 
 
-def compile_zygote(features: hostcheck.HostFeatures, root: str) -> str | None:
-  """Byte-compiles the in-sandbox modules once, with the sandbox's python, into root/pycache.
+def prepare_opt(features: hostcheck.HostFeatures, root: str) -> str:
+  """Copies the in-sandbox programs to root/opt (mounted read-only at /opt/envs) and compiles them.
 
-  Bind-mounted at /opt/envs/__pycache__, it saves every sandbox start compiling them (~10 ms).
-  The .pyc files record the sources' mtime and size, which the bind mounts preserve.
+  A copy because the source tree may sit under a directory the sandbox uid cannot traverse
+  (Bazel's runfiles live under /root); compiled once with the sandbox's python so no sandbox
+  start pays for compiling them (~10 ms). Also root/opt_site/sitecustomize.py (the audit hook for
+  pythons that sandboxed code starts).
   """
-  if not features.python:
-    return None
-  out = os.path.join(root, "pycache")
-  os.makedirs(out, exist_ok=True)
-  tag = subprocess.run([features.python, "-c", "import sys; print(sys.implementation.cache_tag)"],
-                       capture_output=True, text=True, check=False).stdout.strip()
-  if not tag:
-    return None
-  code = ("import py_compile, sys\n"
-          "for src in sys.argv[2:]:\n"
-          "  name = src.rsplit('/', 1)[1][:-3]\n"
-          "  py_compile.compile(src, cfile=f'{sys.argv[1]}/{name}.' + sys.implementation.cache_tag"
-          " + '.pyc', doraise=True)\n")
-  srcs = [os.path.join(_HERE, n) for n in ("sandbox_agent.py", "sandbox_audit.py",
-                                           "testrunner.py")]
-  r = subprocess.run([features.python, "-c", code, out] + srcs, capture_output=True,
-                     check=False)
-  if r.returncode != 0:
-    return None
-  os.chmod(out, 0o755)
-  for name in os.listdir(out):
-    os.chmod(os.path.join(out, name), 0o644)
-  return out
+  opt = os.path.join(root, "opt")
+  site = os.path.join(root, "opt_site")
+  for d in (opt, site):
+    os.makedirs(d, exist_ok=True)
+    os.chmod(d, 0o755)
+  for name in _IN_SANDBOX:
+    shutil.copyfile(os.path.join(_HERE, name), os.path.join(opt, name))
+    os.chmod(os.path.join(opt, name), 0o644)
+  shutil.copyfile(os.path.join(_HERE, "sandbox_audit.py"), os.path.join(site, "sitecustomize.py"))
+  os.chmod(os.path.join(site, "sitecustomize.py"), 0o644)
+  if features.python:
+    subprocess.run([features.python, "-m", "compileall", "-q", opt], capture_output=True,
+                   check=False)
+    cache = os.path.join(opt, "__pycache__")
+    if os.path.isdir(cache):
+      os.chmod(cache, 0o755)
+      for name in os.listdir(cache):
+        os.chmod(os.path.join(cache, name), 0o644)
+  return opt
 
 
 class SlotError(RuntimeError):
@@ -106,9 +105,9 @@ class Slot:
   """A started sandbox. Not thread-safe for concurrent requests; one episode owns it."""
 
   def __init__(self, root: str, features: hostcheck.HostFeatures, *, degraded: bool = False,
-               pycache: str | None = None):
+               opt_dir: str | None = None):
     self.id = next(_IDS)
-    self.pycache = pycache
+    self.opt_dir = opt_dir or prepare_opt(features, root)
     self.features = features
     self.degraded = degraded
     self.dir = os.path.join(root, f"slot-{self.id}")
@@ -141,30 +140,25 @@ class Slot:
     self._w = self.proc.stdin.fileno()
     self._r = self.proc.stdout.fileno()
     self.zygote_pid = None
-    self.runner_path = (os.path.join(_HERE, "testrunner.py") if degraded else
+    self.runner_path = (os.path.join(self.opt_dir, "testrunner.py") if degraded else
                         "/opt/envs/testrunner.py")
 
   # -- start -----------------------------------------------------------------------------------
 
   def _argv(self) -> list[str]:
-    envs_files = [("sandbox_agent.py", "/opt/envs/sandbox_agent.py"),
-                  ("sandbox_audit.py", "/opt/envs/sandbox_audit.py"),
-                  ("sandbox_audit.py", "/opt/envs_site/sitecustomize.py"),
-                  ("testrunner.py", "/opt/envs/testrunner.py")]
     if self.degraded:
       # No namespaces: the zygote runs on the host, confined to rlimits, uid and pgid kills.
       return [self.features.python or "python3", "-s", "-B",
-              os.path.join(_HERE, "sandbox_agent.py"), f"--workspace={self.workspace}"]
+              os.path.join(self.opt_dir, "sandbox_agent.py"), f"--workspace={self.workspace}"]
     argv = [self.features.bwrap, "--unshare-user", "--unshare-all", "--die-with-parent",
             "--as-pid-1", "--disable-userns", "--new-session", "--hostname", "sandbox",
             "--ro-bind", "/usr", "/usr", "--symlink", "usr/lib", "/lib", "--symlink",
             "usr/lib64", "/lib64", "--symlink", "usr/bin", "/bin", "--symlink", "usr/sbin",
             "/sbin", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
-            "--bind", self.workspace, "/workspace"]
-    for src, dst in envs_files:
-      argv += ["--ro-bind", os.path.join(_HERE, src), dst]
-    if self.pycache:
-      argv += ["--ro-bind", self.pycache, "/opt/envs/__pycache__"]
+            "--bind", self.workspace, "/workspace",
+            "--ro-bind", self.opt_dir, "/opt/envs",
+            "--ro-bind", os.path.join(os.path.dirname(self.opt_dir), "opt_site"),
+            "/opt/envs_site"]
     argv += ["--remount-ro", "/", "--chdir", "/workspace", self.features.python, "-s", "-B",
              "/opt/envs/sandbox_agent.py", "--ns"]
     return argv
