@@ -18,8 +18,6 @@ LOGIT_ATOL = 1e-4
 
 CASES = {
     "mixtral": lambda: tu.mixtral_config(),
-    "mixtral_8x3_rope1e6": lambda: tu.mixtral_config(num_local_experts=8, num_hidden_layers=3,
-                                                     rope_theta=1e6),
     "qwen3_dense_first": lambda: tu.qwen3_config(),
     "qwen3_tied_normtopk": lambda: tu.qwen3_config(mlp_only_layers=[], tie_word_embeddings=True,
                                                    norm_topk_prob=True, num_hidden_layers=2),

@@ -25,7 +25,11 @@ def _file_tensors(path):
   return out
 
 
-@pytest.mark.parametrize("config", [tu.mixtral_config, tu.qwen3_config])
+@pytest.mark.parametrize("config", [
+    tu.mixtral_config,
+    tu.qwen3_config,
+    lambda: tu.qwen3_config(tie_word_embeddings=True, norm_topk_prob=True),
+])
 def test_import_export_import_is_bit_exact(tmp_path, config):
   ref = tu.make_model(config())
   tu.save(ref, tmp_path / "hf")
@@ -67,22 +71,23 @@ def test_bfloat16_round_trip_is_bit_exact(tmp_path):
     assert np.array_equal(theirs[name].view(np.uint16), ours[name].view(np.uint16)), name
 
 
-@pytest.mark.parametrize("hf_config", [
-    tu.mixtral_config(),
-    tu.qwen3_config(tie_word_embeddings=True, norm_topk_prob=True),
-])
-def test_created_model_exports_and_transformers_agrees(tmp_path, hf_config):
-  """A model made by build.create (no HF origin) exports with an explicit architecture."""
-  arch = hf_config.architectures[0] if hf_config.architectures else (
-      "MixtralForCausalLM" if hf_config.model_type == "mixtral" else "Qwen3MoeForCausalLM")
-  cfg = hf.config_from_hf({**hf_config.to_dict(), "architectures": [arch]})
-  model = build.create(cfg, seed=3)
+@pytest.fixture(scope="module")
+def created():
+  """A model made by build.create (no Hugging Face origin), Mixtral-shaped."""
+  cfg = hf.config_from_hf({**tu.mixtral_config().to_dict(),
+                           "architectures": ["MixtralForCausalLM"]})
+  return build.create(cfg, seed=3)
+
+
+def test_created_model_exports_and_transformers_agrees(tmp_path, created):
+  model = created
   with pytest.raises(hf.CheckpointError, match="architecture"):
     hf.save_pretrained(model, tmp_path / "x")
-  hf.save_pretrained(model, tmp_path / "out", architecture=arch)
-  assert hf.config_from_hf(json.loads((tmp_path / "out" / "config.json").read_text())) == cfg
+  hf.save_pretrained(model, tmp_path / "out", architecture="MixtralForCausalLM")
+  assert (hf.config_from_hf(json.loads((tmp_path / "out" / "config.json").read_text()))
+          == model.config)
   ref = tu.load(tmp_path / "out")
-  assert type(ref).__name__ == arch
+  assert type(ref).__name__ == "MixtralForCausalLM"
   toks = tu.tokens(seed=2)
   want, want_topk = tu.forward(ref, toks)
   out = model(toks)
@@ -93,23 +98,21 @@ def test_created_model_exports_and_transformers_agrees(tmp_path, hf_config):
     assert np.array_equal(value, again[name]), name
 
 
-def test_export_cast_and_single_file(tmp_path):
-  model = build.create(ModelConfig(vocab_size=tu.VOCAB, qk_norm=True), seed=0)
-  written = hf.save_pretrained(model, tmp_path, architecture="Qwen3MoeForCausalLM",
+def test_export_cast_and_single_file(tmp_path, created):
+  written = hf.save_pretrained(created, tmp_path, architecture="MixtralForCausalLM",
                                dtype="bfloat16")
   assert [p.rsplit("/", 1)[-1] for p in written] == ["model.safetensors", "config.json"]
-  loaded = hf.load_pretrained(tmp_path)
-  assert loaded.config.param_dtype == "bfloat16"
-  for name, value in params.flatten(model).items():
-    np.testing.assert_array_equal(params.flatten(loaded)[name],
-                                  value.astype(params.flatten(loaded)[name].dtype))
+  loaded = params.flatten(hf.load_pretrained(tmp_path))
+  for name, value in params.flatten(created).items():
+    assert loaded[name].dtype.name == "bfloat16"
+    np.testing.assert_array_equal(loaded[name], value.astype(loaded[name].dtype))
 
 
-def test_resave_removes_stale_shards(tmp_path):
-  model = build.create(ModelConfig(vocab_size=tu.VOCAB), seed=0)
-  hf.save_pretrained(model, tmp_path, architecture="MixtralForCausalLM", max_shard_size="20KB")
+def test_resave_removes_stale_shards(tmp_path, created):
+  hf.save_pretrained(created, tmp_path, architecture="MixtralForCausalLM",
+                     max_shard_size="20KB")
   assert (tmp_path / "model.safetensors.index.json").exists()
-  hf.save_pretrained(model, tmp_path, architecture="MixtralForCausalLM")
+  hf.save_pretrained(created, tmp_path, architecture="MixtralForCausalLM")
   assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
   hf.load_pretrained(tmp_path)
 

@@ -16,7 +16,7 @@ VOCAB = 128
 def mixtral_config(**kw) -> transformers.MixtralConfig:
   base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-              num_experts_per_tok=2, max_position_embeddings=128, rope_theta=10000.0,
+              num_experts_per_tok=2, max_position_embeddings=128, rope_theta=1e6,
               initializer_range=0.1, rms_norm_eps=1e-5)
   base.update(kw)
   return transformers.MixtralConfig(**base)
