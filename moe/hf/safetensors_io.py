@@ -53,6 +53,14 @@ def read_json(path: str) -> Any:
     raise CheckpointError(f"{path}: unreadable JSON ({e})") from e
 
 
+def _on_host():
+  """A context placing new JAX arrays on the host CPU device (when JAX has that backend)."""
+  try:
+    return jax.default_device(jax.devices("cpu")[0])
+  except RuntimeError:  # e.g. JAX_PLATFORMS=cuda: arrays go to the default device instead
+    return contextlib.nullcontext()
+
+
 class TensorInfo:
   """Where a tensor lives and what its header says."""
   __slots__ = ("file", "dtype", "shape")
@@ -134,7 +142,7 @@ class Checkpoint(contextlib.AbstractContextManager):
     info = self.tensors[name]
     h = self._handles[info.file]
     try:
-      with jax.default_device(jax.devices("cpu")[0]):
+      with _on_host():
         x = h.get_tensor(name) if index is None else h.get_slice(name)[index]
       return np.asarray(x)
     except Exception as e:
