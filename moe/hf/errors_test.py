@@ -182,5 +182,19 @@ def test_bad_dtype_argument(pristine, reads):
   assert reads[0] == 0
 
 
+def test_config_overrides(pristine, reads):
+  model = hf.load_pretrained(pristine / "qwen3",
+                             config_overrides={"expert_impl": "ragged", "max_seq_len": 64})
+  assert model.config.expert_impl == "ragged" and model.config.max_seq_len == 64
+  reads[0] = 0
+  with pytest.raises(hf.CheckpointError, match="no_such_field"):
+    hf.load_pretrained(pristine / "qwen3", config_overrides={"no_such_field": 1})
+  # An override that changes shapes no longer matches the tensors: named, nothing read.
+  with pytest.raises(hf.CheckpointError,
+                     match=r"lm_head.weight has shape \[128, 64\], expected \[256, 64\]"):
+    hf.load_pretrained(pristine / "qwen3", config_overrides={"vocab_size": 256})
+  assert reads[0] == 0
+
+
 if __name__ == "__main__":
   sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))

@@ -93,8 +93,8 @@ def load_pretrained(path: str | os.PathLike, *, dtype: Optional[str] = None,
       if dtype is None and emb is not None and emb.dtype in ST_TO_NP:
         dtype = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[emb.dtype]
     try:
-      cfg = cfg.replace(param_dtype=dtype or "float32", dtype=dtype or "float32",
-                        **dict(config_overrides or {}))
+      dt = dtype or "float32"
+      cfg = cfg.replace(**{"param_dtype": dt, "dtype": dt, **dict(config_overrides or {})})
     except (TypeError, ValueError) as e:
       raise CheckpointError(f"{where}: bad dtype or config override ({e})") from e
     layout = names.layout(cfg, arch, fused=names.is_fused(ckpt.tensors))
