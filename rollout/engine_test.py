@@ -1,0 +1,205 @@
+"""Engine correctness: agreement with the full forward, sampling controls, determinism, load
+handling and weight swaps (tiny model, few tokens). Tolerances: see rollout/testing.py."""
+
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from moe import params as moe_params
+from rollout import agreement
+from rollout import testing
+from rollout import tokenizers
+from rollout.engine import Engine, EngineConfig, QueueFull
+from rollout.sampling import SamplingParams
+
+PROMPTS = [[5, 17, 200, 3, 9, 44, 12], [100, 101, 102], [7] * 11, [250, 1, 2, 3, 4]]
+
+
+@pytest.fixture(scope="module")
+def model():
+  return testing.tiny_model(seed=3)
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+  eng = Engine(model, config=EngineConfig(max_slots=4, max_len=64, decode_steps=4, max_queue=4),
+               tokenizer=tokenizers.ByteLevel(model.config.vocab_size))
+  yield eng
+  eng.stop()
+
+
+@pytest.fixture(scope="module")
+def det_engine(model):
+  eng = Engine(model, config=EngineConfig(max_slots=4, max_len=64, decode_steps=4,
+                                          deterministic=True, prefill_rows=2))
+  yield eng
+  eng.stop()
+
+
+def test_greedy_equals_argmax_of_full_forward_and_routing_replays(engine, model):
+  for prompt in PROMPTS[:2]:
+    c = engine.generate(prompt, max_tokens=12, temperature=0.0)[0]
+    assert c.finish_reason == "length" and len(c.token_ids) == 12
+    seq = np.asarray([prompt + c.token_ids[:-1]])
+    out = model(seq)
+    p = len(prompt)
+    np.testing.assert_array_equal(np.argmax(out.logits[0, p - 1:], -1), c.token_ids)
+    stats = agreement.measure(model, [prompt], [c], temperature=0.0)
+    assert stats["max_abs_dlogprob"] < testing.ATOL
+    assert stats["routing_agreement"] == 1.0
+    assert c.routing.shape == (model.config.num_moe_layers, 12, 2)
+    assert c.prompt_routing.shape == (model.config.num_moe_layers, p - 1, 2)
+    assert c.policy_versions == [0] * 12
+
+
+def test_sampled_logprobs_equal_full_forward(engine, model):
+  for temp, k, p in [(1.0, 0, 1.0), (0.8, 20, 0.9)]:
+    cs = engine.generate(PROMPTS[0], n=3, max_tokens=10, temperature=temp, top_k=k, top_p=p,
+                         seed=1)
+    stats = agreement.measure(model, [PROMPTS[0]] * 3, cs, temperature=temp, top_k=k, top_p=p)
+    assert stats["tokens"] == 30
+    assert stats["max_abs_dlogprob"] < testing.ATOL, stats
+    assert stats["routing_agreement"] == 1.0
+
+
+def test_n_samples_share_one_prefill_and_seeds_reproduce(engine):
+  before = engine.stats["prefill_calls_total"]
+  a = engine.generate(PROMPTS[1], n=4, max_tokens=8, temperature=1.0, seed=42)
+  assert engine.stats["prefill_calls_total"] == before + 1
+  assert len({tuple(c.token_ids) for c in a}) > 1  # the samples differ
+  b = engine.generate(PROMPTS[1], n=4, max_tokens=8, temperature=1.0, seed=42)
+  assert [c.token_ids for c in a] == [c.token_ids for c in b]
+  c = engine.generate(PROMPTS[1], n=4, max_tokens=8, temperature=1.0, seed=43)
+  assert [x.token_ids for x in a] != [x.token_ids for x in c]
+
+
+def test_deterministic_mode_is_batch_invariant(det_engine):
+  alone = det_engine.generate(PROMPTS[0], max_tokens=10, temperature=1.0, seed=5)[0]
+  # Now with other traffic: it lands in another slot, beside other rows, in another prefill.
+  others = det_engine.submit_batch(PROMPTS[1:3], SamplingParams(max_tokens=14, seed=9))
+  mixed = det_engine.submit(PROMPTS[0], SamplingParams(max_tokens=10, temperature=1.0, seed=5))
+  more = det_engine.submit(PROMPTS[3], SamplingParams(max_tokens=6, seed=2))
+  got = mixed.result()[0]
+  for h in others + [more]:
+    h.result()
+  assert got.token_ids == alone.token_ids
+  assert got.logprobs == alone.logprobs  # bit-identical
+  np.testing.assert_array_equal(got.routing, alone.routing)
+
+
+def test_stop_token_and_stop_string(engine):
+  ref = engine.generate(PROMPTS[0], max_tokens=12, temperature=0.0)[0]
+  stop_tok = ref.token_ids[4]
+  first = ref.token_ids.index(stop_tok)
+  c = engine.generate(PROMPTS[0], max_tokens=12, temperature=0.0, stop_token_ids=[stop_tok])[0]
+  assert c.finish_reason == "stop"
+  assert c.token_ids == ref.token_ids[:first + 1]  # the stop token is returned
+  text = engine.tokenizer.decode(ref.token_ids)
+  cut = next(i for i in range(1, len(text)) if text[i] != "\ufffd")
+  stop = text[cut]
+  c = engine.generate(PROMPTS[0], max_tokens=12, temperature=0.0, stop=[stop])[0]
+  assert c.finish_reason == "stop"
+  assert c.text == text[:text.find(stop)]
+  assert c.token_ids == ref.token_ids[:len(c.token_ids)]
+  assert stop in engine.tokenizer.decode(c.token_ids)
+  assert stop not in engine.tokenizer.decode(c.token_ids[:-1])
+
+
+def test_cancel_and_timeout_free_their_slots(engine):
+  h = engine.submit(PROMPTS[0], SamplingParams(max_tokens=50, temperature=1.0))
+  h.cancel()
+  assert all(c.finish_reason == "cancelled" for c in h.result(timeout=60))
+  h = engine.submit(PROMPTS[1], SamplingParams(max_tokens=50), timeout=1e-4)
+  assert all(c.finish_reason == "timeout" for c in h.result(timeout=60))
+  # The slots are free again: a full-width request runs.
+  assert len(engine.generate(PROMPTS[1], n=4, max_tokens=3)) == 4
+
+
+def test_bounded_queue_rejects_then_recovers(engine):
+  busy = engine.submit(PROMPTS[0], SamplingParams(n=4, max_tokens=50))
+  deadline = time.time() + 60
+  while engine.metrics()["active_slots"] < 4 and time.time() < deadline:
+    time.sleep(0.01)
+  queued = [engine.submit(PROMPTS[1], SamplingParams(n=2, max_tokens=2)) for _ in range(2)]
+  with pytest.raises(QueueFull):
+    engine.submit(PROMPTS[1], SamplingParams(max_tokens=2))
+  busy.cancel()
+  for h in queued:  # nothing is dropped: the queued requests complete
+    assert [c.finish_reason for c in h.result(timeout=60)] == ["length", "length"]
+
+
+def test_bad_requests_raise_clear_errors(engine):
+  with pytest.raises(ValueError, match="empty"):
+    engine.generate([], max_tokens=2)
+  with pytest.raises(ValueError, match="outside the vocabulary"):
+    engine.generate([1, 999], max_tokens=2)
+  with pytest.raises(ValueError, match="context length"):
+    engine.generate([1] * 60, max_tokens=10)
+  with pytest.raises(ValueError, match="slots"):
+    engine.generate([1], n=5, max_tokens=2)
+  with pytest.raises(ValueError, match="stop token"):
+    engine.generate([1], max_tokens=2, stop_token_ids=[10**6])
+
+
+def _perturbed(flat, seed):
+  rng = np.random.default_rng(seed)
+  return {k: (v + rng.normal(scale=0.05, size=v.shape)).astype(v.dtype) for k, v in flat.items()}
+
+
+def test_swap_mid_request_records_versions_and_keeps_kv(model):
+  eng = Engine(model, config=EngineConfig(max_slots=4, max_len=64, decode_steps=2,
+                                          deterministic=True, prefill_rows=2))
+  try:
+    base = eng.current_flat()
+    ref = eng.generate(PROMPTS[0], max_tokens=30, temperature=0.0)[0]
+    for new_flat, same in ((base, True), (_perturbed(base, 1), False)):
+      seen = threading.Event()
+      h = eng.submit(PROMPTS[0], SamplingParams(max_tokens=30, temperature=0.0),
+                     on_tokens=lambda h, i, t, l, r: len(h.samples[0].tokens) >= 6 and seen.set())
+      assert seen.wait(60)
+      v = eng.version + 1
+      out = eng.swap_weights(new_flat, v)
+      assert out["version"] == v and out["pause_s"] >= 0
+      c = h.result(timeout=60)[0]
+      vs = c.policy_versions
+      assert vs[0] == v - 1 and vs[-1] == v and vs == sorted(vs)
+      switch = vs.index(v)
+      assert switch >= 6
+      # Tokens before the swap are the old policy's; after it, the same weights continue
+      # bit-identically from the kept KV cache, different weights diverge.
+      assert c.token_ids[:switch] == ref.token_ids[:switch]
+      assert (c.token_ids == ref.token_ids) == same
+    eng.swap_weights(base, eng.version + 1)
+  finally:
+    eng.stop()
+
+
+def test_swap_rejects_bad_weights_and_applies_deltas(engine):
+  from sync import delta
+  base = engine.current_flat()
+  bad = dict(base)
+  bad["embed"] = np.zeros((2, 2), np.float32)
+  v0 = engine.version
+  with pytest.raises(ValueError, match="embed"):
+    engine.swap_weights(bad, v0 + 1)
+  assert engine.version == v0
+  new = _perturbed(base, 2)
+  blob = delta.encode(base, new)
+  damaged = bytearray(blob)
+  damaged[len(damaged) // 2] ^= 0xFF
+  with pytest.raises(delta.DeltaError):
+    engine.swap_delta(bytes(damaged), v0 + 1)
+  assert engine.version == v0
+  engine.swap_delta(blob, v0 + 1)
+  assert engine.version == v0 + 1
+  for k, v in new.items():
+    np.testing.assert_array_equal(engine.current_flat()[k], v)
+  assert engine.generate(PROMPTS[1], max_tokens=3)[0].policy_versions == [v0 + 1] * 3
+  engine.swap_weights(base, v0 + 2)
+
+
+if __name__ == "__main__":
+  sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
