@@ -49,8 +49,9 @@ class WarmPool:
     self._own_root = root is None
     # Under /tmp (not $TMPDIR, which Bazel points under /root): the sandbox uid must be able to
     # traverse every directory above a bind-mounted path.
-    self.root = root or tempfile.mkdtemp(prefix="envs-fleet-",
-                                         dir=os.environ.get("ENVS_SANDBOX_ROOT", "/tmp"))
+    tmp_root = os.environ.get("ENVS_SANDBOX_ROOT", "/tmp")
+    slot_lib.sweep_stale(self.features, tmp_root)
+    self.root = root or tempfile.mkdtemp(prefix=f"envs-fleet-{os.getpid()}-", dir=tmp_root)
     os.chmod(self.root, 0o711)
     self.opt_dir = slot_lib.prepare_opt(self.features, self.root)
     self._idle: collections.deque[slot_lib.Slot] = collections.deque()
@@ -62,9 +63,9 @@ class WarmPool:
     self._teardown: queue.Queue = queue.Queue()
     self._threads = [threading.Thread(target=self._spawn_loop, daemon=True, name=f"spawn-{i}")
                      for i in range(max(1, spawn_threads))]
-    self._threads.append(threading.Thread(target=self._teardown_loop, daemon=True,
-                                          name="teardown"))
-    for t in self._threads:
+    self._teardown_threads = [threading.Thread(target=self._teardown_loop, daemon=True,
+                                               name=f"teardown-{i}") for i in range(2)]
+    for t in self._threads + self._teardown_threads:
       t.start()
 
   @property
@@ -174,10 +175,12 @@ class WarmPool:
     for slot in idle:
       slot.close()
       self._teardown.put(slot)
-    for t in self._threads[:-1]:
+    for t in self._threads:
       t.join(timeout=10)
-    self._teardown.put(None)
-    self._threads[-1].join(timeout=30)
+    for _ in self._teardown_threads:
+      self._teardown.put(None)
+    for t in self._teardown_threads:
+      t.join(timeout=60)
     if self._own_root:
       shutil.rmtree(self.root, ignore_errors=True)
 

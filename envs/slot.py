@@ -365,6 +365,55 @@ class Slot:
     shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def _pid_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+    return True
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+
+
+def sweep_stale(features: hostcheck.HostFeatures, tmp_root: str = "/tmp") -> int:
+  """Removes cgroups and slot directories left by dead processes (a killed fleet host).
+
+  Returns how many cgroups were removed. This process's own are left to their pools (another
+  pool here may be creating one right now).
+  """
+  removed = 0
+  for parent in (features.cgroup_memory, features.cgroup_pids):
+    if not parent:
+      continue
+    try:
+      names = [n for n in os.listdir(parent) if n.startswith("envs-") and "-slot-" in n]
+    except OSError:
+      continue
+    for name in names:
+      try:
+        pid = int(name.split("-")[1])
+      except ValueError:
+        continue
+      path = os.path.join(parent, name)
+      if pid == os.getpid() or _pid_alive(pid):
+        continue
+      _kill_cgroup(path)
+      try:
+        os.rmdir(path)
+        removed += 1
+      except OSError:
+        pass  # Still in use (a live sandbox of this process) or still exiting.
+  try:
+    for name in os.listdir(tmp_root):
+      parts = name.split("-")
+      if name.startswith("envs-fleet-") and len(parts) > 3 and parts[2].isdigit():
+        if not _pid_alive(int(parts[2])):
+          shutil.rmtree(os.path.join(tmp_root, name), ignore_errors=True)
+  except OSError:
+    pass
+  return removed
+
+
 def _kill_cgroup(path: str) -> None:
   try:
     with open(os.path.join(path, "cgroup.procs")) as f:
