@@ -115,6 +115,7 @@ class Learner:
       self.set_reference(self.state.params)
     self._step_fn = self._build_step()
     self.last_step_time = None
+    self._forward_fn = None
 
   # -- construction -------------------------------------------------------------------------
   def _build_step(self):
@@ -207,6 +208,18 @@ class Learner:
   def model(self) -> MoEDecoder:
     """The current policy as a model (shares the state's arrays; do not mutate)."""
     return nnx.merge(self.graphdef, self.state.params, self.state.rest)
+
+  def forward(self, tokens) -> tuple[np.ndarray, np.ndarray]:
+    """(logits [B, T, V], routing [moe_layers, B, T, k]) of the current policy (jitted; for
+    evaluation and in-process sampling)."""
+    if self._forward_fn is None:
+      def fwd(state, tokens):
+        out = nnx.merge(self.graphdef, state.params, state.rest)(tokens)
+        return out.logits, out.routing
+      self._forward_fn = jax.jit(fwd)
+    with jax.set_mesh(self.mesh):
+      logits, routing = self._forward_fn(self.state, jnp.asarray(tokens, jnp.int32))
+    return np.asarray(jax.device_get(logits)), np.asarray(jax.device_get(routing))
 
   def sampler_weights(self, dtype: Optional[str] = None) -> tuple[dict, int]:
     """(flat weights in the sampler dtype as numpy arrays, policy version) for weight sync.

@@ -1,0 +1,103 @@
+r"""Learner throughput: trained tokens/s and model-FLOPs utilisation of `rl.learner.Learner`.
+
+Runs warm-up steps (compilation) and then timed steps on random full-length rows, for the
+next-token objective or the RL policy objective (which adds the no-grad proximal pass), and
+reports tokens/s, step time and MFU (rl/flops.py) against a chip's datasheet peak.
+
+  bazel run //tools:bench_learner -- --gin moe/configs/tiny.gin --seq_len 256 --batch_rows 8
+  .venv/bin/python tools/bench_learner.py --gin moe/configs/tiny.gin --objective policy \
+      --chip h200 --mesh 1,1,1,1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import jax
+import numpy as np
+
+from moe import sharding
+from rl import flops
+from rl.learner import Learner
+from rl.objectives import PolicyLossConfig
+from rl.train_state import OptimizerConfig
+from rl.train_step import LossConfig
+from tools import configs
+
+
+def random_batch(cfg, rows: int, seq_len: int, policy: bool, seed: int = 0) -> dict:
+  rng = np.random.default_rng(seed)
+  b = {"tokens": rng.integers(0, cfg.vocab_size, (rows, seq_len)).astype(np.int32),
+       "positions": np.tile(np.arange(seq_len, dtype=np.int32), (rows, 1)),
+       "segment_ids": np.ones((rows, seq_len), np.int32),
+       "loss_mask": np.ones((rows, seq_len), np.int32)}
+  if policy:
+    b["behaviour_logprobs"] = np.full((rows, seq_len), -np.log(cfg.vocab_size), np.float32)
+    b["policy_versions"] = np.zeros((rows, seq_len), np.int32)
+    b["advantages"] = rng.normal(size=(rows, seq_len)).astype(np.float32)
+    b["routing"] = rng.integers(0, cfg.num_experts, (rows, seq_len, cfg.num_moe_layers,
+                                                     cfg.num_experts_per_tok)).astype(np.uint8)
+  return b
+
+
+def bench(cfg, *, seq_len: int, batch_rows: int, steps: int, warmup: int, objective: str,
+          mesh_shape, micro_batches: int, chip=None, peak_tflops=None) -> dict:
+  mesh = sharding.make_mesh(mesh_shape)
+  loss = LossConfig(objective=objective, replay="on", policy=PolicyLossConfig())
+  learner = Learner(cfg, mesh=mesh, loss_cfg=loss, opt_cfg=OptimizerConfig(),
+                    micro_batches=micro_batches)
+  batch = random_batch(cfg, batch_rows, seq_len, objective == "policy")
+  for _ in range(warmup):
+    learner.train_step(batch)
+  t0 = time.perf_counter()
+  for _ in range(steps):
+    m = learner.train_step(batch)
+  dt = (time.perf_counter() - t0) / steps
+  tokens = batch_rows * seq_len
+  peak = peak_tflops * 1e12 if peak_tflops else flops.peak_flops(chip)
+  out = {
+      "backend": jax.default_backend(), "devices": int(np.prod(mesh_shape)),
+      "objective": objective, "seq_len": seq_len, "batch_rows": batch_rows,
+      "micro_batches": micro_batches, "active_params": flops.active_matmul_params(cfg),
+      "step_time_s": dt, "tokens_per_s": tokens / dt,
+      "model_tflops_per_s": tokens / dt * flops.train_flops_per_token(cfg, seq_len) / 1e12,
+      "final_loss": m["loss"],
+  }
+  if peak:
+    out["mfu"] = flops.mfu(tokens / dt, cfg, seq_len, peak, out["devices"])
+  return out
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--gin", action="append", default=[], help="model gin file(s)")
+  p.add_argument("--binding", action="append", default=[], help="extra gin bindings")
+  p.add_argument("--seq_len", type=int, default=256)
+  p.add_argument("--batch_rows", type=int, default=8)
+  p.add_argument("--steps", type=int, default=5)
+  p.add_argument("--warmup", type=int, default=2)
+  p.add_argument("--objective", choices=("next_token", "policy"), default="next_token")
+  p.add_argument("--mesh", default="1,1,1,1", help="data,fsdp,expert,tensor")
+  p.add_argument("--micro_batches", type=int, default=1)
+  p.add_argument("--chip", default=None, help=f"one of {sorted(flops.PEAK_FLOPS)}")
+  p.add_argument("--peak_tflops", type=float, default=None, help="peak per device, TFLOP/s")
+  args = p.parse_args(argv)
+  flops.peak_flops(args.chip)  # unknown chips fail before the run
+  configs.parse(args.gin or ["moe/configs/tiny.gin"], args.binding)
+  cfg = configs.model_config()
+  if args.seq_len > cfg.max_seq_len:
+    cfg = cfg.replace(max_seq_len=args.seq_len)
+  result = bench(cfg, seq_len=args.seq_len, batch_rows=args.batch_rows, steps=args.steps,
+                 warmup=args.warmup, objective=args.objective,
+                 mesh_shape=tuple(int(x) for x in args.mesh.split(",")),
+                 micro_batches=args.micro_batches, chip=args.chip,
+                 peak_tflops=args.peak_tflops)
+  print(json.dumps(result, indent=1))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
