@@ -9,6 +9,8 @@ import sys
 
 import numpy as np
 import pytest
+import torch
+from safetensors import safe_open
 
 from moe import hf
 from moe import params
@@ -63,7 +65,6 @@ def test_fused_expert_layout_loads_the_same_weights(tmp_path):
   ref = tu.make_model(tu.mixtral_config())
   tu.save(ref, tmp_path / "classic")
   tu.save(ref, tmp_path / "fused", save_original_format=False)
-  from safetensors import safe_open
   with safe_open(str(tmp_path / "fused" / "model.safetensors"), "np") as f:
     assert "model.layers.0.mlp.experts.gate_up_proj" in f.keys()
   classic = params.flatten(hf.load_pretrained(tmp_path / "classic"))
@@ -74,7 +75,7 @@ def test_fused_expert_layout_loads_the_same_weights(tmp_path):
 
 
 def test_bfloat16_checkpoint_loads_in_its_dtype(tmp_path):
-  ref = tu.make_model(tu.mixtral_config(), dtype=__import__("torch").bfloat16)
+  ref = tu.make_model(tu.mixtral_config(), dtype=torch.bfloat16)
   tu.save(ref, tmp_path)
   model = hf.load_pretrained(tmp_path)
   assert model.config.param_dtype == "bfloat16"

@@ -2,9 +2,11 @@
 
 import json
 import sys
+import tracemalloc
 
 import numpy as np
 import pytest
+import torch
 from flax import nnx
 from safetensors import safe_open
 
@@ -61,7 +63,6 @@ def test_import_export_import_is_bit_exact(tmp_path, config):
 
 
 def test_bfloat16_round_trip_is_bit_exact(tmp_path):
-  import torch
   tu.save(tu.make_model(tu.qwen3_config(), dtype=torch.bfloat16), tmp_path / "hf")
   model = hf.load_pretrained(tmp_path / "hf")
   hf.save_pretrained(model, tmp_path / "ours")
@@ -125,7 +126,6 @@ def test_load_and_save_hold_one_parameter_at_a_time(tmp_path):
   tracemalloc sees numpy's host buffers. On the CPU a device array may alias the buffer it was
   made from, so load is measured as peak minus what is still held at the end (the model itself).
   """
-  import tracemalloc
   tu.save(tu.make_model(tu.qwen3_config(num_experts=16)), tmp_path / "hf")
   model = hf.load_pretrained(tmp_path / "hf")
   flat = params.flatten(model)
