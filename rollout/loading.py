@@ -22,13 +22,13 @@ def is_hf_checkpoint(path: str) -> bool:
           and bool(glob.glob(os.path.join(path, "*.safetensors"))))
 
 
-def _project_checkpoint_module():
+def _project(fn, path):
+  """Calls a moe.checkpoint reader, turning its failures into ValueError with the path."""
+  from moe import checkpoint
   try:
-    from moe import checkpoint  # written by the learner; optional until it lands
-  except ImportError as e:
-    raise ValueError("project checkpoints need moe.checkpoint, which is not available in this "
-                     f"build ({e})") from None
-  return checkpoint
+    return fn(checkpoint, path)
+  except (OSError, ValueError, KeyError, FileNotFoundError) as e:
+    raise ValueError(f"cannot read project checkpoint {path!r}: {e}") from e
 
 
 def load_model(*, hf_checkpoint: Optional[str] = None, checkpoint: Optional[str] = None,
@@ -51,7 +51,7 @@ def load_model(*, hf_checkpoint: Optional[str] = None, checkpoint: Optional[str]
   if checkpoint is not None:
     if not os.path.exists(checkpoint):
       raise ValueError(f"--checkpoint {checkpoint!r} does not exist")
-    model = _project_checkpoint_module().load_model(checkpoint)
+    model = _project(lambda m, p: m.load_model(p), checkpoint)
     if overrides:
       flat = moe_params.flatten(model)
       model = build.create(model.config.replace(**overrides))
@@ -66,7 +66,6 @@ def load_flat(path: str, cfg: ModelConfig) -> dict:
     raise ValueError(f"checkpoint {path!r} does not exist")
   if is_hf_checkpoint(path):
     from moe import hf
-    model = hf.load_pretrained(path, dtype=cfg.param_dtype)
-  else:
-    model = _project_checkpoint_module().load_model(path)
-  return moe_params.flatten(model)
+    return moe_params.flatten(hf.load_pretrained(path, dtype=cfg.param_dtype))
+  _, flat = _project(lambda m, p: m.load_params_flat(p), path)
+  return flat
