@@ -28,9 +28,11 @@ SMOKE_CFG = ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2
 
 
 def initialize(coordinator: str, num_processes: int, process_id: int) -> None:
-  """jax.distributed set-up; on the CPU the collectives go over gloo."""
-  if jax.default_backend() == "cpu" or not jax.config.jax_platforms:
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  """jax.distributed set-up; CPU collectives go over gloo (no effect on accelerators).
+
+  Must run before anything initialises a JAX backend.
+  """
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
 
 

@@ -16,8 +16,12 @@ from moe import sharding
 from moe.config import ModelConfig
 from rl import checkpointing
 from rl import pretrain_data
+from rl import rl_data
+from rl import trajectory_io
+from rl.episodes import Episode, ValidationSpec
 from rl.learner import Learner
 from rl.train_state import OptimizerConfig
+from rl.train_step import LossConfig
 from rl.trainer import Trainer
 
 CFG = ModelConfig(vocab_size=259, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
@@ -64,6 +68,40 @@ def test_restore_without_checkpoint_is_a_fresh_start(tmp_path):
   t = _trainer(_files(tmp_path), str(tmp_path / "none"), save_every=0)
   assert not t.restore()
   t.checkpoints.close()
+
+
+def test_rl_pipeline_feeds_the_learner(tmp_path):
+  """Trajectory files -> RL grain pipeline -> Trainer -> policy-gradient steps."""
+  rng = np.random.default_rng(0)
+  d = str(tmp_path / "traj")
+  with trajectory_io.TrajectoryWriter(d, "rollout0", records_per_shard=5) as w:
+    for g in range(4):
+      for i in range(4):
+        n = int(rng.integers(5, 9))
+        w.write(Episode(
+            group_id=f"p{g}", reward=float(i % 2), group_size=4,
+            tokens=rng.integers(0, CFG.vocab_size, n).astype(np.int32),
+            loss_mask=np.r_[np.zeros(2), np.ones(n - 2)].astype(np.int8),
+            behaviour_logprobs=np.r_[np.zeros(2), -rng.random(n - 2) - 4].astype(np.float32),
+            policy_versions=np.zeros(n, np.int32),
+            routing=rng.integers(0, CFG.num_experts,
+                                 (CFG.num_moe_layers, n, CFG.num_experts_per_tok)).astype(
+                                     np.uint8)))
+  learner = Learner(CFG, mesh=sharding.make_mesh((1, 1, 1, 1)),
+                    loss_cfg=LossConfig(objective="policy", replay="proximal"))
+  spec = ValidationSpec(vocab_size=CFG.vocab_size, max_len=16,
+                        routing_shape=(CFG.num_moe_layers, CFG.num_experts_per_tok),
+                        num_experts=CFG.num_experts, require_routing=True)
+  stats = rl_data.PipelineStats()
+  ds = rl_data.rl_dataset(d, spec=spec, seq_len=16, batch_rows=2,
+                          version_fn=lambda: learner.policy_version, stats=stats)
+  trainer = Trainer(learner, ds, extra_metrics=lambda: {"groups": stats.groups})
+  metrics = trainer.run(2)
+  assert len(metrics) == 2 and learner.step == 2
+  for m in metrics:
+    assert np.isfinite(m["loss"]) and m["tokens"] > 0
+    assert 0 <= m["routing_agreement"] <= 1 and m["sampler_kl"] > 0
+  assert metrics[-1]["groups"] >= 1
 
 
 if __name__ == "__main__":
