@@ -5,7 +5,7 @@ next-token objective or the RL policy objective (which adds the no-grad proximal
 reports tokens/s, step time and MFU (rl/flops.py) against a chip's datasheet peak.
 
   bazel run //tools:bench_learner -- --gin moe/configs/tiny.gin --seq_len 256 --batch_rows 8
-  .venv/bin/python tools/bench_learner.py --gin moe/configs/tiny.gin --objective policy \
+  .venv/bin/python -m tools.bench_learner --gin moe/configs/tiny.gin --objective policy \
       --chip h200 --mesh 1,1,1,1
 """
 
