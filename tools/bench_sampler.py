@@ -1,0 +1,245 @@
+"""Sampler benchmark: rollout.Engine vs transformers `generate` on the same tiny Mixtral.
+
+Run (about 5 minutes on 2 cores; BENCHMARKS.md "## Sampler (rollout/)" holds the results):
+  .venv/bin/python -m tools.bench_sampler --json /tmp/bench_sampler.json
+  bazel run //tools:bench_sampler -- --skip_1b
+
+What it measures, all in one run on the same weights and prompts:
+  1. A seeded random `MixtralForCausalLM` (vocab 1024, hidden 256, intermediate 512, 4 layers,
+     8 heads / 4 kv heads, 8 experts top-2) is saved with transformers and imported through
+     `moe.hf`. Greedy decoding of 128 new tokens for batch 1, 16 and 64 prompts of 32 tokens:
+     new tokens/s and latency for transformers (torch, CPU) and for the engine (fast mode and
+     deterministic mode), best of `--repeats` after a warm-up (compilation) run, interleaved so
+     both see the same machine load. Also how often the greedy tokens equal transformers'.
+  2. Sampler-vs-learner agreement on sampled completions (temperature 1): max/mean |delta
+     logprob|, KL estimates, routing agreement (`rollout.agreement`), fast and deterministic.
+  3. Weight swap while serving: decode-loop pause, preparation time, and a plain reload (a fresh
+     engine from the same weights, compiled, first token) for the tiny model and a ~1B-parameter
+     bf16 config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+import jax
+import numpy as np
+
+from moe import build
+from moe import hf
+from moe import params as moe_params
+from moe.config import ModelConfig
+from rollout import agreement
+from rollout.engine import Engine, EngineConfig
+from rollout.sampling import SamplingParams
+
+TINY_MIXTRAL = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                    num_attention_heads=8, num_key_value_heads=4, num_local_experts=8,
+                    num_experts_per_tok=2, max_position_embeddings=512, rope_theta=10000.0,
+                    rms_norm_eps=1e-5)
+QUICK_MIXTRAL = dict(TINY_MIXTRAL, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
+
+
+def make_hf_checkpoint(path: str, spec: dict, seed: int = 0):
+  """Saves a seeded random transformers Mixtral; returns the torch model (eval, fp32)."""
+  import torch
+  import transformers
+  torch.manual_seed(seed)
+  config = transformers.MixtralConfig(**spec)
+  model = transformers.MixtralForCausalLM(config).eval()
+  model.save_pretrained(path)
+  return model
+
+
+def bench_transformers(model, prompts: np.ndarray, new_tokens: int) -> dict:
+  import torch
+  ids = torch.tensor(prompts, dtype=torch.long)
+  t0 = time.perf_counter()
+  with torch.no_grad():
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                         min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                         eos_token_id=None)
+  dt = time.perf_counter() - t0
+  gen = out[:, prompts.shape[1]:].numpy()
+  return {"tokens_per_s": gen.size / dt, "latency_s": dt, "tokens": gen}
+
+
+def bench_engine(engine: Engine, prompts: np.ndarray, new_tokens: int, *,
+                 temperature: float = 0.0, seed: int = 0) -> dict:
+  first = {}
+  lock = threading.Lock()
+  t0 = time.perf_counter()
+
+  def on_tokens(h, i, toks, lps, reason):
+    if toks:
+      with lock:
+        first.setdefault(h.id, time.perf_counter() - t0)
+
+  params = SamplingParams(max_tokens=new_tokens, temperature=temperature, seed=seed,
+                          ignore_eos=True)
+  handles = engine.submit_batch(prompts.tolist(), params, on_tokens=on_tokens)
+  done = []
+  for h in handles:
+    h.result()
+    done.append(time.perf_counter() - t0)
+  dt = time.perf_counter() - t0
+  comps = [h.result()[0] for h in handles]
+  n = sum(len(c.token_ids) for c in comps)
+  return {"tokens_per_s": n / dt, "latency_s": dt,
+          "ttft_s": statistics.mean(first.values()), "request_p50_s": statistics.median(done),
+          "tokens": np.asarray([c.token_ids for c in comps]), "completions": comps}
+
+
+def _best(runs):
+  return max(runs, key=lambda r: r["tokens_per_s"])
+
+
+def throughput(torch_model, engines: dict, rng, batches, prompt_len, new_tokens, repeats,
+               vocab) -> list:
+  rows = []
+  for b in batches:
+    prompts = rng.integers(0, vocab, (b, prompt_len))
+    for eng in engines.values():  # warm-up: compiles every shape this workload uses
+      bench_engine(eng, prompts, new_tokens)
+    bench_transformers(torch_model, prompts, 4)
+    runs = {"transformers": []}
+    runs.update({name: [] for name in engines})
+    for _ in range(repeats):
+      runs["transformers"].append(bench_transformers(torch_model, prompts, new_tokens))
+      for name, eng in engines.items():
+        runs[name].append(bench_engine(eng, prompts, new_tokens))
+    best = {k: _best(v) for k, v in runs.items()}
+    ref = best["transformers"]
+    row = {"batch": b, "transformers_tok_s": ref["tokens_per_s"],
+           "transformers_latency_s": ref["latency_s"]}
+    for name in engines:
+      r = best[name]
+      same = r["tokens"] == ref["tokens"]
+      prefix = [int(np.argmin(s)) if not s.all() else s.size for s in same]
+      row.update({f"{name}_tok_s": r["tokens_per_s"], f"{name}_latency_s": r["latency_s"],
+                  f"{name}_ttft_s": r["ttft_s"],
+                  f"{name}_speedup": r["tokens_per_s"] / ref["tokens_per_s"],
+                  f"{name}_greedy_match_seqs": float(np.mean(same.all(axis=1))),
+                  f"{name}_greedy_match_prefix": float(np.mean(prefix))})
+    rows.append(row)
+    print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}),
+          flush=True)
+  return rows
+
+
+def agreement_rows(model, engines: dict, rng, batch, prompt_len, new_tokens, vocab) -> dict:
+  out = {}
+  prompts = rng.integers(0, vocab, (batch, prompt_len))
+  for name, eng in engines.items():
+    r = bench_engine(eng, prompts, new_tokens, temperature=1.0, seed=123)
+    out[name] = agreement.measure(model, prompts.tolist(), r["completions"], temperature=1.0)
+    print(name, "agreement", json.dumps(out[name]), flush=True)
+  return out
+
+
+def swap_row(label: str, flat: dict, cfg: ModelConfig, ec: EngineConfig, prompt_len: int,
+             new_tokens: int, batch: int) -> dict:
+  """Swap pause while decoding vs a plain reload (fresh engine, compile, first token)."""
+  rng = np.random.default_rng(0)
+  prompts = rng.integers(0, cfg.vocab_size, (batch, prompt_len)).tolist()
+  jax.clear_caches()  # a reload is a fresh process: nothing compiled yet
+  t0 = time.perf_counter()
+  eng = Engine.from_flat(flat, cfg, config=ec)
+  built = time.perf_counter()
+  eng.generate(prompts[0], max_tokens=1, temperature=0.0)
+  reload_s = time.perf_counter() - t0
+  row = {"model": label, "params": int(sum(v.size for v in flat.values())),
+         "reload_s": reload_s, "reload_pack_s": built - t0,
+         "reload_compile_first_token_s": reload_s - (built - t0)}
+  # Warm the decode shapes, then swap while a batch is decoding.
+  eng.generate(prompts[0], max_tokens=ec.decode_steps * 2 + 1, temperature=0.0, ignore_eos=True)
+  new_flat = {k: (v * np.asarray(1.01, v.dtype)).astype(v.dtype) if i % 2 == 0 else v
+              for i, (k, v) in enumerate(flat.items())}
+  started = threading.Event()
+  hs = eng.submit_batch(prompts, SamplingParams(max_tokens=new_tokens, temperature=0.0,
+                                                ignore_eos=True),
+                        on_tokens=lambda h, i, t, l, r: started.set())
+  started.wait()
+  res = eng.swap_weights(new_flat, 1)
+  comps = [h.result()[0] for h in hs]
+  vers = comps[0].policy_versions
+  eng.stop()
+  row.update({"swap_pause_s": res["pause_s"], "swap_prepare_s": res["prepare_s"],
+              "swap_total_s": res["total_s"], "in_flight": res["in_flight"],
+              "pause_over_reload": res["pause_s"] / reload_s,
+              "versions_seen": sorted(set(vers))})
+  print(json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in row.items()}),
+        flush=True)
+  return row
+
+
+def one_billion_config() -> ModelConfig:
+  return ModelConfig(vocab_size=32000, hidden_size=2048, num_layers=11, num_heads=16,
+                     num_kv_heads=8, intermediate_size=5632, moe_intermediate_size=1408,
+                     num_experts=8, num_experts_per_tok=2, max_seq_len=128,
+                     param_dtype="bfloat16", dtype="bfloat16")
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--batches", default="1,16,64")
+  p.add_argument("--prompt_len", type=int, default=32)
+  p.add_argument("--new_tokens", type=int, default=128)
+  p.add_argument("--repeats", type=int, default=2)
+  p.add_argument("--decode_steps", type=int, default=16)
+  p.add_argument("--quick", action="store_true", help="a tiny smoke run (tests)")
+  p.add_argument("--skip_1b", action="store_true")
+  p.add_argument("--json", help="write all results here")
+  args = p.parse_args(argv)
+  batches = [int(b) for b in args.batches.split(",")]
+  spec = QUICK_MIXTRAL if args.quick else TINY_MIXTRAL
+  report = {"argv": sys.argv[1:] if argv is None else list(argv)}
+  with tempfile.TemporaryDirectory() as d:
+    torch_model = make_hf_checkpoint(d, spec)
+    model = hf.load_pretrained(d)
+  cfg = model.config
+  max_len = -(-(args.prompt_len + args.new_tokens) // 32) * 32
+  base = dict(max_slots=max(batches), max_len=max_len, decode_steps=args.decode_steps,
+              length_bucket=32)
+  engines = {"ours": Engine(model, config=EngineConfig(**base)),
+             "ours_deterministic": Engine(model, config=EngineConfig(deterministic=True, **base))}
+  rng = np.random.default_rng(0)
+  report["throughput"] = throughput(torch_model, engines, rng, batches, args.prompt_len,
+                                    args.new_tokens, args.repeats, cfg.vocab_size)
+  report["agreement"] = agreement_rows(model, engines, rng, min(16, max(batches)),
+                                       args.prompt_len, args.new_tokens, cfg.vocab_size)
+  for e in engines.values():
+    e.stop()
+  del engines, torch_model
+  gc.collect()
+  flat = moe_params.flatten(model)
+  report["swap"] = [swap_row("tiny Mixtral (fp32)", flat, cfg, EngineConfig(**base),
+                             args.prompt_len, args.new_tokens, min(16, max(batches)))]
+  if not args.skip_1b and not args.quick:
+    big_cfg = one_billion_config()
+    big = build.create(big_cfg, seed=0)
+    big_flat = moe_params.flatten(big)
+    del big
+    gc.collect()
+    report["swap"].append(swap_row(
+        "~1B MoE (bf16)", big_flat, big_cfg,
+        EngineConfig(max_slots=1, max_len=64, decode_steps=2, dtype=None, length_bucket=64),
+        prompt_len=8, new_tokens=12, batch=1))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(report, f, indent=1, default=lambda o: o.tolist() if hasattr(o, "tolist")
+                else str(o))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,30 @@
+"""Smoke run of the sampler benchmark: it runs end to end, and its checks hold on a tiny model
+(greedy tokens equal transformers', logprobs agree with the learner's forward)."""
+
+import json
+import sys
+
+import pytest
+
+from tools import bench_sampler
+
+
+def test_quick_run(tmp_path):
+  out = tmp_path / "r.json"
+  assert bench_sampler.main(["--quick", "--batches", "1,2", "--new_tokens", "6",
+                             "--prompt_len", "8", "--repeats", "1", "--decode_steps", "4",
+                             "--json", str(out)]) == 0
+  report = json.loads(out.read_text())
+  assert [r["batch"] for r in report["throughput"]] == [1, 2]
+  for row in report["throughput"]:
+    assert row["ours_greedy_match_seqs"] == 1.0
+    assert row["ours_deterministic_greedy_match_seqs"] == 1.0
+    assert row["ours_tok_s"] > 0 and row["transformers_tok_s"] > 0
+  for stats in report["agreement"].values():
+    assert stats["max_abs_dlogprob"] < 1e-5 and stats["routing_agreement"] == 1.0
+  swap = report["swap"][0]
+  assert swap["versions_seen"] == [0, 1] and swap["swap_pause_s"] < swap["reload_s"]
+
+
+if __name__ == "__main__":
+  sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
