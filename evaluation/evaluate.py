@@ -1,0 +1,268 @@
+"""Scores a model on a task suite: pass@1 and pass@k with the training harness and sandboxes.
+
+`evaluate(model_or_engine, tasks, *, n, k_list, temperature, max_tokens, seed, pool, ...)` runs
+every task through exactly the code RL trains with -- `envs.inprocess_policy.InProcessPolicy` over
+the sampler and `envs.single_turn.run_single_turn` (or `envs.agent_loop.run_episode` for tasks
+without a single-turn prompt, such as SWE tasks), grading with hidden tests in fresh sandboxes
+from an `envs.pool.WarmPool` -- so an evaluation number and a training reward mean the same thing.
+
+Speed: all tasks are in flight at once (up to `max_concurrency` requests): each task's episode
+runs in its own thread, so every prompt is queued on the engine together and its continuous
+batching decodes them side by side, while finished samples are graded in parallel in the pool.
+
+A sample passes when its episode ended normally ("ok") with full test reward and no hack penalty.
+Infrastructure failures (sandbox or sampler broke) are not the model's: they are left out of
+that task's n and counted in its flags; a task left with fewer than k good samples has no pass@k
+and is left out of the mean (the report counts how many tasks each mean covers).
+
+Per-task results go to a JSONL file (task id, suite, n, c, pass@k, every sample's completion,
+reward and flags) and the summary next to it (`<out>.summary.json`). Seeds are derived from
+(seed, task id), so results do not depend on task order or concurrency.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from typing import Any, Callable, Optional, Sequence
+
+from envs import agent_loop
+from envs import inprocess_policy
+from envs import reward as reward_lib
+from envs import single_turn
+from envs import tasks as tasks_lib
+from envs import trajectory as traj_lib
+from evaluation import passk
+from evaluation import sources
+
+
+@dataclasses.dataclass
+class TaskResult:
+  """One task's outcome. n counts good samples (infra failures excluded), c the passing ones."""
+  task_id: str
+  suite: str
+  split: str
+  mode: str
+  n: int
+  c: int
+  pass_at_k: dict  # k -> float, or None when n < k
+  samples: list  # per sample: index, completion, passed, reward, test_reward, status, ...
+  flags: dict  # infra_errors, hacked, truncated sample counts
+
+  def to_json(self) -> dict:
+    d = dataclasses.asdict(self)
+    d["pass_at_k"] = {str(k): v for k, v in self.pass_at_k.items()}
+    return d
+
+
+@dataclasses.dataclass
+class EvalReport:
+  """The suite's scores.
+
+  pass_at_k: k -> mean pass@k over the tasks that have it; tasks_scored: k -> how many.
+  solved: tasks with at least one passing sample. pass1_count: sum over tasks of c/n, i.e. the
+  expected number of tasks solved by one sample ("12/200" style), rounded to 2 decimals.
+  """
+  num_tasks: int
+  n: int
+  k_list: tuple
+  temperature: float
+  max_tokens: int
+  seed: int
+  pass_at_k: dict
+  tasks_scored: dict
+  solved: int
+  pass1_count: float
+  infra_errors: int
+  results: list
+  wall_s: float
+  samples_per_s: float
+  out_path: Optional[str] = None
+
+  def summary(self) -> dict:
+    d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "results"}
+    d["pass_at_k"] = {str(k): v for k, v in self.pass_at_k.items()}
+    d["tasks_scored"] = {str(k): v for k, v in self.tasks_scored.items()}
+    d["k_list"] = list(self.k_list)
+    return d
+
+  def table(self) -> str:
+    lines = [f"tasks: {self.num_tasks}   samples/task: {self.n}   temperature: "
+             f"{self.temperature}   seed: {self.seed}   infra errors: {self.infra_errors}"]
+    for k in self.k_list:
+      v = self.pass_at_k.get(k)
+      lines.append(f"pass@{k}: " + ("n/a" if v is None else f"{v:.4f}") +
+                   f"   ({self.tasks_scored[k]} tasks)")
+    lines.append(f"solved (any sample): {self.solved}/{self.num_tasks}   "
+                 f"pass@1 count: {self.pass1_count:g}/{self.num_tasks}   "
+                 f"wall: {self.wall_s:.1f}s")
+    return "\n".join(lines)
+
+
+def task_seed(seed: int, task_id: str) -> int:
+  """A 31-bit seed from (seed, task id): independent of task order."""
+  h = hashlib.sha256(f"{seed}:{task_id}".encode()).digest()
+  return int.from_bytes(h[:4], "little") & 0x7FFFFFFF
+
+
+def _passed(t: traj_lib.Trajectory) -> bool:
+  return (t.status == reward_lib.OK and (t.test_reward or 0.0) >= 1.0
+          and (t.reward or 0.0) >= 1.0)
+
+
+def _sample_record(i: int, t: traj_lib.Trajectory) -> dict:
+  return {"index": i, "completion": t.completion_text, "passed": _passed(t),
+          "reward": t.reward, "test_reward": t.test_reward, "status": t.status,
+          "finish_reason": t.finish_reason, "hack_flags": sorted(t.hack_flags),
+          "infra_error": t.infra_error, "num_turns": t.num_turns,
+          "model_tokens": t.num_model_tokens, "test_outcomes": dict(t.test_outcomes)}
+
+
+def _task_result(task: tasks_lib.Task, mode: str, trajs: Sequence[traj_lib.Trajectory],
+                 k_list: Sequence[int]) -> TaskResult:
+  good = [t for t in trajs if t.status != traj_lib.INFRA]
+  n, c = len(good), sum(_passed(t) for t in good)
+  return TaskResult(
+      task_id=task.task_id, suite=task.suite, split=task.split, mode=mode, n=n, c=c,
+      pass_at_k={k: (passk.pass_at_k(n, c, k) if n >= k else None) for k in k_list},
+      samples=[_sample_record(i, t) for i, t in enumerate(trajs)],
+      flags={"infra_errors": len(trajs) - n,
+             "hacked": sum(bool(t.hack_flags) for t in good),
+             "truncated": sum(t.flags["truncated"] for t in good)})
+
+
+def _mode_of(task: tasks_lib.Task, mode: str) -> str:
+  if mode == "auto":
+    return "single_turn" if task.prompt else "agent"
+  if mode == "single_turn" and not task.prompt:
+    raise ValueError(f"task {task.task_id} has no single-turn prompt; use mode='agent' or 'auto'")
+  return mode
+
+
+def evaluate(model_or_engine: Any, tasks: Sequence[tasks_lib.Task], *, n: int = 1,
+             k_list: Sequence[int] = (1,), temperature: float = 0.0, max_tokens: int = 96,
+             seed: int = 0, pool, out_path: Optional[str] = None, tokenizer=None,
+             add_bos: bool = True, mode: str = "auto",
+             reward_config: reward_lib.RewardConfig = reward_lib.RewardConfig(),
+             loop_config: Optional[agent_loop.LoopConfig] = None,
+             engine_config=None, max_concurrency: int = 64,
+             progress: Optional[Callable[[int, int], None]] = None) -> EvalReport:
+  """Scores `model_or_engine` on `tasks`; see the module docstring.
+
+  Args:
+    model_or_engine: a rollout Engine, a MoEDecoder, a checkpoint path or a generate callable
+      (evaluation.sources).
+    tasks: the suite (e.g. envs.suite_pyfunc.split(envs.suite_pyfunc.generate(), "test")).
+    n: samples per task.
+    k_list: the k of pass@k to report; each must be <= n.
+    temperature: sampling temperature (0 = greedy; pass@k for k > 1 wants sampling).
+    max_tokens: tokens per completion (per turn in agent mode).
+    seed: base seed; each task's seed is task_seed(seed, task_id).
+    pool: an envs.pool.WarmPool for grading (the caller owns it).
+    out_path: where to write the per-task JSONL (and `<stem>.summary.json`); None writes nothing.
+    tokenizer: the model's tokenizer (default: the byte tokenizer of the tiny models).
+    add_bos: prepend BOS to prompts (how the project's models are pre-trained).
+    mode: "auto" (single-turn when the task has a prompt, else the agent loop), "single_turn"
+      or "agent".
+    reward_config: grading settings, as in training.
+    loop_config: agent-loop settings for agent mode (temperature, seed and max_tokens_per_turn
+      are set from the arguments above).
+    engine_config: EngineConfig for an engine built from a model or checkpoint.
+    max_concurrency: most tasks in flight at once.
+    progress: called as progress(tasks_done, num_tasks) after each task.
+
+  Raises:
+    ValueError: no tasks, bad n / k_list / mode, or a context the model cannot hold.
+  """
+  if not tasks:
+    raise ValueError("no tasks to evaluate")
+  if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    raise ValueError(f"n must be a positive integer, got {n!r}")
+  ks = passk.check_k_list(k_list, n)
+  if mode not in ("auto", "single_turn", "agent"):
+    raise ValueError(f"mode must be auto, single_turn or agent, got {mode!r}")
+  ids = [t.task_id for t in tasks]
+  if len(set(ids)) != len(ids):
+    raise ValueError("task ids must be unique")
+  modes = [_mode_of(t, mode) for t in tasks]
+  if tokenizer is None:
+    from moe.tokenizer import ByteTokenizer  # pylint: disable=g-import-not-at-top
+    tokenizer = ByteTokenizer()
+  longest = max(len(tokenizer.encode(t.prompt)) for t in tasks) + int(add_bos)
+  if "agent" in modes:
+    lc = loop_config or agent_loop.LoopConfig()
+    context = lc.max_context_tokens
+  else:
+    context = longest + max_tokens
+
+  t0 = time.monotonic()
+  with sources.open_sampler(model_or_engine, context=context,
+                            engine_config=engine_config) as sampler:
+    policy = inprocess_policy.InProcessPolicy(sampler.generate, tokenizer, add_bos=add_bos)
+    in_flight = max_concurrency
+    if sampler.max_queue is not None:  # never overflow the engine's queue (QueueFull)
+      in_flight = max(1, min(in_flight, sampler.max_queue // n))
+
+    def run_task(i: int) -> list:
+      task, s = tasks[i], task_seed(seed, tasks[i].task_id)
+      if modes[i] == "single_turn":
+        return single_turn.run_single_turn(
+            task, policy, pool=pool, n=n, max_tokens=max_tokens, temperature=temperature,
+            seed=s, reward_config=reward_config, grade_threads=n)
+      base = loop_config or agent_loop.LoopConfig()
+      return [agent_loop.run_episode(task, policy, pool=pool, config=dataclasses.replace(
+          base, temperature=temperature, seed=s + j, max_tokens_per_turn=max_tokens,
+          reward=reward_config)) for j in range(n)]
+
+    trajs: list = [None] * len(tasks)
+    done = 0
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(in_flight, len(tasks))),
+                                               thread_name_prefix="eval") as ex:
+      futures = {ex.submit(run_task, i): i for i in range(len(tasks))}
+      for fut in concurrent.futures.as_completed(futures):
+        trajs[futures[fut]] = fut.result()
+        done += 1
+        if progress is not None:
+          progress(done, len(tasks))
+  wall = time.monotonic() - t0
+
+  results = [_task_result(t, m, tr, ks) for t, m, tr in zip(tasks, modes, trajs)]
+  mean, scored = {}, {}
+  for k in ks:
+    vals = [r.pass_at_k[k] for r in results if r.pass_at_k[k] is not None]
+    mean[k] = sum(vals) / len(vals) if vals else None
+    scored[k] = len(vals)
+  report = EvalReport(
+      num_tasks=len(tasks), n=n, k_list=ks, temperature=float(temperature),
+      max_tokens=max_tokens, seed=seed, pass_at_k=mean, tasks_scored=scored,
+      solved=sum(r.c > 0 for r in results),
+      pass1_count=round(sum(r.c / r.n for r in results if r.n), 2),
+      infra_errors=sum(r.flags["infra_errors"] for r in results), results=results,
+      wall_s=wall, samples_per_s=len(tasks) * n / wall if wall > 0 else 0.0, out_path=out_path)
+  if out_path:
+    write(report, out_path)
+  return report
+
+
+def summary_path(out_path: str) -> str:
+  return os.path.splitext(out_path)[0] + ".summary.json"
+
+
+def write(report: EvalReport, out_path: str) -> None:
+  """Per-task JSONL at out_path, the summary at summary_path(out_path)."""
+  d = os.path.dirname(os.path.abspath(out_path))
+  os.makedirs(d, exist_ok=True)
+  with open(out_path, "w", encoding="utf-8") as f:
+    for r in report.results:
+      f.write(json.dumps(r.to_json(), sort_keys=True) + "\n")
+  with open(summary_path(out_path), "w", encoding="utf-8") as f:
+    json.dump(report.summary(), f, indent=1, sort_keys=True)
+
+
+def read_results(out_path: str) -> list[dict]:
+  with open(out_path, encoding="utf-8") as f:
+    return [json.loads(line) for line in f if line.strip()]
