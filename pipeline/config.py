@@ -1,0 +1,58 @@
+"""Settings of the asynchronous RL pipeline (plain dataclass; gin binds it at the entry points)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+  """How rollouts are produced and consumed.
+
+  Attributes:
+    max_staleness: k, the most policy versions a trained trajectory may lag the learner. 0 is
+      synchronous RL: the rollouts of step s start only once every sampler serves version s.
+    prompts_per_step: prompts (GRPO groups) each learner step consumes.
+    attempts: samples per prompt (the group size n).
+    max_new_tokens: generation budget per attempt.
+    temperature: sampling temperature of the rollouts.
+    top_p: nucleus sampling mass of the rollouts.
+    seq_len: learner row length (an episode must fit in one row).
+    batch_rows: learner rows per step; every step's episodes are packed into exactly this many.
+    grade_workers: threads grading attempts in sandboxes at once.
+    max_request_attempts: a sampler request that fails is retried on another sampler up to
+      this many times in all before its attempts are recorded as infrastructure failures.
+    request_timeout_s: a sampler request that takes longer is abandoned and retried.
+    seed: seeds the task order and every request's sampling seed.
+  """
+
+  max_staleness: int = 2
+  prompts_per_step: int = 8
+  attempts: int = 8
+  max_new_tokens: int = 48
+  temperature: float = 1.0
+  top_p: float = 1.0
+  seq_len: int = 128
+  batch_rows: int = 64
+  grade_workers: int = 4
+  max_request_attempts: int = 3
+  request_timeout_s: float = 300.0
+  seed: int = 0
+
+  def __post_init__(self):
+    def need(cond, msg):
+      if not cond:
+        raise ValueError(f"PipelineConfig: {msg}")
+    need(self.max_staleness >= 0, f"max_staleness must be >= 0, got {self.max_staleness}")
+    need(self.prompts_per_step >= 1, "prompts_per_step must be >= 1")
+    need(self.attempts >= 2, "attempts must be >= 2 (group-relative advantages need a group)")
+    need(self.max_new_tokens >= 1, "max_new_tokens must be >= 1")
+    need(self.temperature > 0, "rollouts need temperature > 0")
+    need(0 < self.top_p <= 1, "top_p must lie in (0, 1]")
+    need(self.seq_len >= 8 and self.batch_rows >= 1, "seq_len >= 8 and batch_rows >= 1")
+    need(self.grade_workers >= 1 and self.max_request_attempts >= 1,
+         "grade_workers and max_request_attempts must be >= 1")
+
+  @property
+  def episodes_per_step(self) -> int:
+    return self.prompts_per_step * self.attempts

@@ -1,0 +1,219 @@
+"""The whole asynchronous RL pipeline in one process: samplers, controller, learner, weight sync.
+
+Every part is the real one, connected through the real transports: trajectories go through
+record files on disk (rl.trajectory_io -> pipeline.step_batches), weights through a sync.Publisher
+store (file:// kvstore) that each sampler's sync.Subscriber polls and swaps in while serving. The
+parts run as threads here (tests, the CPU demo, the benchmark); the same classes run as separate
+processes in pipeline/*_main.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from envs import reward as reward_lib
+from pipeline import controller as controller_lib
+from pipeline import samplers as samplers_lib
+from pipeline.config import PipelineConfig
+from pipeline.learner_loop import LearnerLoop
+from pipeline.step_batches import StepBatcher
+from moe.tokenizer import ByteTokenizer
+from rl import trajectory_io
+from rl.episodes import ValidationSpec
+from rollout.engine import Engine, EngineConfig, EngineStopped
+from sync import publisher as publisher_lib
+from sync import store as store_lib
+from sync import subscriber as subscriber_lib
+
+log = logging.getLogger(__name__)
+
+
+class WeightChannel:
+  """Learner -> samplers: a sync.Publisher over a store; checks version numbers line up."""
+
+  def __init__(self, url: str, *, snapshot_every: int = 20):
+    self.store = store_lib.Store(url)
+    self.publisher = publisher_lib.Publisher(self.store, snapshot_every=snapshot_every)
+    self.reports = []
+
+  def latest(self) -> Optional[int]:
+    return self.publisher.version
+
+  def publish(self, flat: dict, version: int):
+    expect = 0 if self.publisher.version is None else self.publisher.version + 1
+    if version != expect:
+      raise RuntimeError(f"learner version {version} does not follow the published "
+                         f"{self.publisher.version}")
+    report = self.publisher.publish(flat, {"learner_version": int(version)})
+    self.reports.append(report)
+    return report
+
+
+def _swap_into(engine):
+  """The subscriber's apply_fn: a stopped (dead) sampler has nothing left to update."""
+  def apply(flat, version):
+    try:
+      engine.swap_weights(flat, version)
+    except EngineStopped:
+      log.info("sampler stopped; weight update %d not applied", version)
+  return apply
+
+
+@dataclasses.dataclass
+class RunResult:
+  """What a pipeline run did."""
+  wall_s: float
+  steps: int
+  groups: int
+  learner_wait_s: float
+  learner_train_s: float
+  learner_publish_s: float
+  controller_wait_s: float
+  sampler_retries: int
+  swaps: list
+  batcher: dict
+  learner_restarts: int
+  learner: object  # the learner at the end (a restarted one after a crash)
+
+
+def run(*, learner, tasks: Sequence, pool, workdir: str, config: PipelineConfig, num_steps: int,
+        num_samplers: int = 1, engine_config: EngineConfig = EngineConfig(),
+        reward_config=reward_lib.RewardConfig(), include_routing: bool = True,
+        checkpoints=None, checkpoint_every: int = 0,
+        on_step: Optional[Callable] = None, on_group: Optional[Callable] = None,
+        grade_fn: Optional[Callable] = None, sync_interval_s: float = 0.02,
+        stop: Optional[threading.Event] = None,
+        after_start: Optional[Callable[[dict], None]] = None,
+        learner_factory: Optional[Callable[[], object]] = None,
+        max_learner_restarts: int = 3) -> RunResult:
+  """Runs `num_steps` learner steps of asynchronous RL (max staleness config.max_staleness).
+
+  Args:
+    learner: an rl.learner.Learner with objective "policy" (its policy is the starting policy).
+    tasks: single-turn tasks (envs.tasks.Task with a prompt).
+    pool: envs WarmPool for grading.
+    workdir: trajectories, weights and checkpoints go under it.
+    config: PipelineConfig.
+    num_steps: learner steps to run (counted from the learner's current step).
+    num_samplers: in-process sampling engines.
+    engine_config: their settings.
+    checkpoints / checkpoint_every: learner checkpointing (restored first if one exists).
+    on_step(step, metrics, info) / on_group(GroupResult): progress callbacks.
+    grade_fn: override grading (fault-injection tests).
+    after_start: called with {"engines", "samplers", "controller", "learner_loop", "stop"} once
+      everything is built, before the controller starts (tests use it to inject faults).
+    learner_factory: builds a fresh learner after the learner loop dies; the new one restores the
+      latest checkpoint and the pipeline carries on (samplers and controller keep running).
+  """
+  t_start = time.perf_counter()
+  stop = stop or threading.Event()
+  os.makedirs(workdir, exist_ok=True)
+  traj_dir = os.path.join(workdir, "trajectories")
+  channel = WeightChannel("file://" + os.path.join(os.path.abspath(workdir), "weights"))
+  cfg = learner.model_cfg
+  spec = ValidationSpec(vocab_size=cfg.vocab_size, max_len=config.seq_len,
+                        routing_shape=(cfg.num_moe_layers, cfg.num_experts_per_tok),
+                        num_experts=cfg.num_experts, require_routing=include_routing)
+  def make_loop(learner):
+    batcher = StepBatcher(traj_dir, config=config, spec=spec, include_routing=include_routing)
+    return LearnerLoop(learner, batcher, publish=channel.publish,
+                       published_version=channel.latest, checkpoints=checkpoints,
+                       checkpoint_every=checkpoint_every, on_step=on_step)
+
+  loop = make_loop(learner)
+  loop.restore()
+  if channel.latest() is None:
+    loop.publish_current()
+  target = learner.step + num_steps
+
+  # Samplers start from the newest published weights and follow the channel.
+  flat0, v0 = publisher_lib.restore(channel.store)
+  tokenizer = ByteTokenizer()
+  engines, subscribers, threads = [], [], []
+  for i in range(num_samplers):
+    eng = Engine.from_flat(flat0, cfg, config=engine_config, version=v0, tokenizer=tokenizer)
+    sub = subscriber_lib.Subscriber(channel.store, _swap_into(eng))
+    sub.weights, sub.version = flat0, v0
+    sub.digest = publisher_lib.read_manifest(channel.store, v0).digest
+    engines.append(eng)
+    subscribers.append(sub)
+    t = threading.Thread(target=sub.run, args=(stop, sync_interval_s), daemon=True,
+                         name=f"subscriber-{i}")
+    threads.append(t)
+  sampler_set = samplers_lib.SamplerSet(
+      [samplers_lib.EngineSampler(e, f"sampler-{i}") for i, e in enumerate(engines)],
+      max_attempts=config.max_request_attempts)
+
+  done_groups = learner.step * config.prompts_per_step
+  writer = trajectory_io.TrajectoryWriter(traj_dir, f"controller-{int(time.time() * 1e3)}",
+                                          records_per_shard=config.attempts)
+
+  def sink(episodes):
+    writer.write_all(episodes)
+    writer.flush()
+
+  controller = controller_lib.RolloutController(
+      tasks, sampler_set, pool, sink, config=config, reward_config=reward_config,
+      on_group=on_group, grade_fn=grade_fn)
+  controller.groups_written = done_groups
+  errors: list = []
+
+  def run_controller():
+    try:
+      controller.run(target, stop)
+    except BaseException as e:  # pylint: disable=broad-except
+      errors.append(e)
+      stop.set()
+
+  ct = threading.Thread(target=run_controller, daemon=True, name="controller")
+  if after_start is not None:
+    after_start({"engines": engines, "samplers": sampler_set, "controller": controller,
+                 "learner_loop": loop, "stop": stop})
+  for t in threads:
+    t.start()
+  ct.start()
+  restarts = 0
+  waits = [0.0, 0.0, 0.0]
+  try:
+    while True:
+      try:
+        loop.run(target, stop)
+        break
+      except Exception as e:  # pylint: disable=broad-except
+        if learner_factory is None or restarts >= max_learner_restarts or stop.is_set():
+          raise
+        restarts += 1
+        log.warning("learner died (%s); restarting from the last checkpoint", e)
+        waits = [w + x for w, x in zip(waits, (loop.wait_s, loop.train_s, loop.publish_s))]
+        if checkpoints is not None:
+          checkpoints.wait()
+        learner = learner_factory()
+        loop = make_loop(learner)
+        loop.restore()
+  finally:
+    stop.set()
+    ct.join(timeout=60)
+    for t in threads:
+      t.join(timeout=10)
+    for e in engines:
+      e.stop()
+    writer.close()
+    if checkpoints is not None:
+      checkpoints.wait()
+  if errors:
+    raise RuntimeError("the rollout controller failed") from errors[0]
+  swaps = [dataclasses.asdict(r) for s in subscribers for r in s.reports]
+  waits = [w + x for w, x in zip(waits, (loop.wait_s, loop.train_s, loop.publish_s))]
+  return RunResult(
+      wall_s=time.perf_counter() - t_start, steps=learner.step, groups=controller.groups_written,
+      learner_wait_s=waits[0], learner_train_s=waits[1], learner_publish_s=waits[2],
+      controller_wait_s=controller.wait_s, sampler_retries=sampler_set.retries, swaps=swaps,
+      batcher=dataclasses.asdict(loop.batcher.stats), learner_restarts=restarts,
+      learner=learner)

@@ -1,0 +1,213 @@
+"""The controller's view of the samplers: submit a request, learn each sampler's policy version,
+and route around samplers that fail.
+
+`EngineSampler` wraps an in-process `rollout.engine.Engine`; `HttpSampler` talks to a sampling
+server over its OpenAI-compatible HTTP API (the multi-process deployment). `SamplerSet` sends each
+request to the live sampler with the least work in flight and, when a sampler fails a request
+(it died, its connection broke, it timed out), marks it dead and retries the request on another
+one, so no request is lost and none is answered twice.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import threading
+import urllib.error
+import urllib.request
+from typing import Optional, Sequence
+
+import numpy as np
+
+from rollout.engine import Completion, EngineStopped
+from rollout.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class SamplerDown(RuntimeError):
+  """A sampler cannot take or finish requests (dead process, stopped engine, broken link)."""
+
+
+class EngineSampler:
+  """An in-process engine."""
+
+  def __init__(self, engine, name: str = "sampler"):
+    self.engine = engine
+    self.name = name
+
+  def submit(self, prompt_ids: Sequence[int], params: SamplingParams,
+             timeout: Optional[float] = None) -> concurrent.futures.Future:
+    try:
+      return self.engine.submit(list(prompt_ids), params, timeout=timeout).future
+    except EngineStopped as e:
+      raise SamplerDown(f"{self.name}: {e}") from e
+
+  def version(self) -> int:
+    return int(self.engine.version)
+
+  def alive(self) -> bool:
+    return bool(self.engine.running)
+
+
+class HttpSampler:
+  """A sampling server reached over HTTP (`POST /v1/completions` with token-id prompts)."""
+
+  def __init__(self, base_url: str, name: str = "", workers: int = 64):
+    self.base_url = base_url.rstrip("/")
+    self.name = name or base_url
+    self._executor = concurrent.futures.ThreadPoolExecutor(workers)
+
+  def _post(self, path: str, body: dict, timeout: Optional[float]) -> dict:
+    req = urllib.request.Request(self.base_url + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+      with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+      if e.code in (429, 500, 502, 503, 504):
+        raise SamplerDown(f"{self.name}: HTTP {e.code}") from e
+      raise ValueError(f"{self.name}: HTTP {e.code}: {e.read()[:500]!r}") from e
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+      raise SamplerDown(f"{self.name}: {e}") from e
+
+  def _complete(self, prompt_ids, params: SamplingParams, timeout) -> list:
+    body = {"model": "policy", "prompt": [int(t) for t in prompt_ids], "n": params.n,
+            "max_tokens": params.max_tokens, "temperature": params.temperature,
+            "top_p": params.top_p, "seed": params.seed, "logprobs": 1,
+            "stop_token_ids": list(params.stop_token_ids), "return_routing": True}
+    if params.stop:
+      body["stop"] = list(params.stop)
+    out = self._post("/v1/completions", body, timeout)
+    comps = []
+    for ch in sorted(out["choices"], key=lambda c: c["index"]):
+      versions = ch.get("policy_versions") or [ch["policy_version"]] * len(ch["token_ids"])
+      routing = ch.get("routing")
+      prompt_routing = ch.get("prompt_routing")
+      comps.append(Completion(
+          token_ids=list(ch["token_ids"]), logprobs=list(ch["logprobs"]["token_logprobs"]),
+          routing=None if routing is None else np.asarray(routing, np.uint8).transpose(1, 0, 2)
+          if np.ndim(routing) == 3 and np.shape(routing)[0] == len(ch["token_ids"])
+          else None if routing is None else np.asarray(routing, np.uint8),
+          policy_versions=list(versions), finish_reason=ch.get("finish_reason") or "stop",
+          text=ch.get("text", ""), index=ch["index"],
+          prompt_routing=None if prompt_routing is None else np.asarray(prompt_routing,
+                                                                        np.uint8)))
+    return comps
+
+  def submit(self, prompt_ids, params: SamplingParams, timeout: Optional[float] = None):
+    return self._executor.submit(self._complete, list(prompt_ids), params, timeout)
+
+  def version(self) -> int:
+    with urllib.request.urlopen(self.base_url + "/metrics", timeout=5) as r:
+      for line in r.read().decode().splitlines():
+        if line.startswith("policy_version") or line.startswith("rollout_policy_version"):
+          return int(float(line.split()[-1]))
+    raise SamplerDown(f"{self.name}: /metrics has no policy_version")
+
+  def alive(self) -> bool:
+    try:
+      with urllib.request.urlopen(self.base_url + "/health", timeout=5) as r:
+        return r.status == 200
+    except (urllib.error.URLError, OSError):
+      return False
+
+
+class SamplerSet:
+  """Routes requests over samplers, retrying failed ones elsewhere.
+
+  Args:
+    samplers: EngineSampler / HttpSampler objects.
+    max_attempts: tries per request in all (across samplers) before its future fails.
+  """
+
+  def __init__(self, samplers: Sequence, *, max_attempts: int = 3):
+    if not samplers:
+      raise ValueError("SamplerSet needs at least one sampler")
+    self.samplers = list(samplers)
+    self.max_attempts = max_attempts
+    self._lock = threading.Lock()
+    self._inflight = {id(s): 0 for s in self.samplers}
+    self._dead: set[int] = set()
+    self.retries = 0
+    self.failed_requests = 0
+
+  def live(self) -> list:
+    with self._lock:
+      return [s for s in self.samplers if id(s) not in self._dead]
+
+  def mark_dead(self, sampler, why: str) -> None:
+    with self._lock:
+      if id(sampler) not in self._dead:
+        self._dead.add(id(sampler))
+        log.warning("sampler %s is down (%s); its requests go elsewhere", sampler.name, why)
+
+  def min_version(self) -> Optional[int]:
+    """The oldest policy version any live sampler serves (None if none is live)."""
+    versions = []
+    for s in self.live():
+      try:
+        versions.append(s.version())
+      except SamplerDown as e:
+        self.mark_dead(s, str(e))
+    return min(versions) if versions else None
+
+  def _pick(self, exclude: set):
+    with self._lock:
+      cands = [s for s in self.samplers if id(s) not in self._dead and id(s) not in exclude]
+      if not cands:
+        cands = [s for s in self.samplers if id(s) not in self._dead]
+      if not cands:
+        return None
+      s = min(cands, key=lambda s: self._inflight[id(s)])
+      self._inflight[id(s)] += 1
+      return s
+
+  def submit(self, prompt_ids, params: SamplingParams,
+             timeout: Optional[float] = None) -> concurrent.futures.Future:
+    """A future of the request's completions; retried on other samplers when one fails."""
+    result: concurrent.futures.Future = concurrent.futures.Future()
+    tried: set = set()
+
+    def attempt(n: int) -> None:
+      s = self._pick(tried)
+      if s is None:
+        self.failed_requests += 1
+        result.set_exception(SamplerDown("no live sampler"))
+        return
+      tried.add(id(s))
+      try:
+        fut = s.submit(prompt_ids, params, timeout)
+      except SamplerDown as e:
+        done(s, n, e)
+        return
+      fut.add_done_callback(lambda f: done(s, n, f.exception(), f))
+
+    def done(s, n, err, fut=None) -> None:
+      with self._lock:
+        self._inflight[id(s)] -= 1
+      if err is None:
+        comps = fut.result()
+        if any(c.finish_reason in ("cancelled", "error") for c in comps):
+          err = SamplerDown(f"{s.name}: request ended early ({comps[0].finish_reason})")
+        else:
+          result.set_result(comps)
+          return
+      if isinstance(err, (SamplerDown, EngineStopped)) or not s_alive(s):
+        self.mark_dead(s, str(err))
+      if n + 1 >= self.max_attempts:
+        self.failed_requests += 1
+        result.set_exception(err)
+        return
+      self.retries += 1
+      attempt(n + 1)
+
+    def s_alive(s) -> bool:
+      try:
+        return s.alive()
+      except Exception:  # pylint: disable=broad-except
+        return False
+
+    attempt(0)
+    return result

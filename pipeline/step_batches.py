@@ -1,0 +1,180 @@
+"""The learner's side of the transport: exactly one step's episodes -> one packed batch.
+
+The controller writes groups in release order to sharded record files (rl.trajectory_io); this
+reader takes the next `episodes_per_step` records from grain's checkpointable `TrajectorySource`,
+validates them (rl.episodes.validate; rejects are counted and masked like infrastructure
+failures), drops episodes staler than the bound (counted), computes GRPO advantages per group
+over the valid attempts, and packs the episodes first-fit into a fixed [batch_rows, seq_len]
+batch (segment ids keep attention within an episode; positions restart per episode).
+
+Why not rl.rl_data's grain packer: it needs look-ahead (a bin is emitted when the next element no
+longer fits), so a synchronous loop (k = 0), where the next step's data exists only after this
+step trains, would wait forever. Consuming an exact record count per step keeps every k, 0
+included, deadlock-free, and the reader's state is the source iterator's (a few strings and ints).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+from typing import Optional
+
+import numpy as np
+
+from pipeline.config import PipelineConfig
+from rl import objectives
+from rl.episodes import Episode, RejectionLog, ValidationSpec, validate
+from rl.rl_data import TrajectorySource
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class StepStats:
+  """Counters of the reader (checkpointed with it)."""
+  episodes: int = 0
+  trained_episodes: int = 0
+  infra_failures: int = 0
+  stale_episodes: int = 0
+  overflow_episodes: int = 0
+  rejections: dict = dataclasses.field(default_factory=dict)
+
+
+class StepBatcher:
+  """Reads one learner step's episodes and packs them.
+
+  Args:
+    directory: the trajectory directory the controller writes.
+    config: PipelineConfig (episodes_per_step, seq_len, batch_rows, max_staleness).
+    spec: episode validation (vocabulary, max length, routing shape).
+    include_routing: emit recorded routing for router replay.
+    normalize_std: GRPO advantage normalisation by the group's reward std.
+  """
+
+  def __init__(self, directory: str, *, config: PipelineConfig, spec: ValidationSpec,
+               include_routing: bool = True, normalize_std: bool = True):
+    self.cfg = config
+    self.spec = spec
+    self.include_routing = include_routing
+    self.normalize_std = normalize_std
+    self.stats = StepStats()
+    self._log = RejectionLog(log)
+    self.stats.rejections = self._log.counts
+    self._source = TrajectorySource(directory, follow=True, poll_interval_s=0.02,
+                                    idle_timeout_s=0.2)
+    self._it = iter(self._source)
+
+  # -- reading -------------------------------------------------------------------------------
+  def _take(self, n: int, stop: threading.Event) -> Optional[list]:
+    out = []
+    while len(out) < n:
+      if stop.is_set():
+        return None
+      try:
+        out.append(next(self._it))
+      except StopIteration:
+        continue  # idle: the source looks for new shards again on the next call
+    return out
+
+  def next_batch(self, learner_version: int, stop: Optional[threading.Event] = None):
+    """(batch dict, info dict) of the next step, or None if `stop` was set while waiting."""
+    items = self._take(self.cfg.episodes_per_step, stop or threading.Event())
+    if items is None:
+      return None
+    groups: dict[str, list] = collections.OrderedDict()
+    for item in items:
+      where = "%s#%d" % tuple(item["loc"])
+      try:
+        ep = Episode.from_record(item["record"])
+      except (KeyError, ValueError, TypeError, AttributeError) as e:
+        self._log.reject("malformed", f"{where} ({e})")
+        continue
+      reason = validate(ep, self.spec)
+      status = "ok"
+      if reason is not None:
+        self._log.reject(reason, where)
+        status = "rejected"
+      elif ep.infra_failure:
+        self.stats.infra_failures += 1
+        status = "infra"
+      elif self.include_routing and ep.routing is None:
+        self._log.reject("missing_routing", where)
+        status = "rejected"
+      else:
+        lag = learner_version - int(ep.policy_versions[ep.loss_mask.astype(bool)].min())
+        if lag > self.cfg.max_staleness:
+          self.stats.stale_episodes += 1
+          status = "stale"
+      groups.setdefault(ep.group_id, []).append((ep, status))
+    self.stats.episodes += len(items)
+
+    chosen, lags = [], []
+    for members in groups.values():
+      valid = np.array([s == "ok" for _, s in members])
+      rewards = np.array([ep.reward for ep, _ in members])
+      adv = objectives.group_advantages(rewards, valid, normalize_std=self.normalize_std)
+      for (ep, s), a in zip(members, adv):
+        if s == "ok":
+          chosen.append((ep, float(a)))
+          lags.append(learner_version - int(ep.policy_versions[ep.loss_mask.astype(bool)].min()))
+    batch, packed = self._pack(chosen)
+    self.stats.trained_episodes += packed
+    info = {"episodes": len(items), "trained_episodes": packed, "group_ids": list(groups),
+            "groups": len(groups), "max_lag": max(lags) if lags else 0,
+            "mean_lag": float(np.mean(lags)) if lags else 0.0}
+    return batch, info
+
+  # -- packing -------------------------------------------------------------------------------
+  def _pack(self, chosen: list):
+    rows, length = self.cfg.batch_rows, self.cfg.seq_len
+    b = {
+        "tokens": np.zeros((rows, length), np.int32),
+        "positions": np.zeros((rows, length), np.int32),
+        "segment_ids": np.zeros((rows, length), np.int32),
+        "loss_mask": np.zeros((rows, length), np.int32),
+        "behaviour_logprobs": np.zeros((rows, length), np.float32),
+        "policy_versions": np.zeros((rows, length), np.int32),
+        "advantages": np.zeros((rows, length), np.float32),
+    }
+    if self.include_routing:
+      moe_layers, k = self.spec.routing_shape
+      b["routing"] = np.zeros((rows, length, moe_layers, k), np.uint8)
+    fill = np.zeros(rows, np.int64)
+    segs = np.zeros(rows, np.int64)
+    packed = 0
+    for ep, adv in sorted(chosen, key=lambda e: -e[0].tokens.size):  # first-fit decreasing
+      n = ep.tokens.size
+      fits = np.nonzero(fill + n <= length)[0]
+      if fits.size == 0:
+        self.stats.overflow_episodes += 1
+        log.warning("episode %s does not fit the step's %d rows; dropped (counted)",
+                    ep.episode_id, rows)
+        continue
+      r = int(fits[0])
+      s, e = int(fill[r]), int(fill[r]) + n
+      segs[r] += 1
+      b["tokens"][r, s:e] = ep.tokens
+      b["positions"][r, s:e] = np.arange(n)
+      b["segment_ids"][r, s:e] = segs[r]
+      trained = ep.loss_mask.astype(bool)
+      b["loss_mask"][r, s:e] = trained
+      b["behaviour_logprobs"][r, s:e] = np.where(trained, ep.behaviour_logprobs, 0.0)
+      b["policy_versions"][r, s:e] = np.where(trained, ep.policy_versions, 0)
+      b["advantages"][r, s:e] = adv
+      if self.include_routing:
+        b["routing"][r, s:e] = np.transpose(ep.routing, (1, 0, 2))
+      fill[r] = e
+      packed += 1
+    return b, packed
+
+  # -- checkpointing -------------------------------------------------------------------------
+  def get_state(self) -> dict:
+    return {"source": self._it.get_state(), "stats": dataclasses.asdict(self.stats)}
+
+  def set_state(self, state: dict) -> None:
+    self._it.set_state(state["source"])
+    st = dict(state["stats"])
+    self.stats = StepStats(**st)
+    self._log.counts = self.stats.rejections = dict(st.get("rejections", {}))

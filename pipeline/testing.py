@@ -1,0 +1,35 @@
+"""Tiny pipeline fixtures for tests: a small model, learner, tasks and settings."""
+
+from __future__ import annotations
+
+from envs import suite_pyfunc
+from moe import sharding
+from moe.config import ModelConfig
+from pipeline.config import PipelineConfig
+from rl.learner import Learner
+from rl.train_state import OptimizerConfig
+from rl.train_step import LossConfig
+from rollout.engine import EngineConfig
+
+MODEL = ModelConfig(vocab_size=259, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                    intermediate_size=64, moe_intermediate_size=32, num_experts=4,
+                    num_experts_per_tok=2, max_seq_len=128, tie_word_embeddings=True)
+ENGINE = EngineConfig(max_slots=8, max_len=128, decode_steps=8)
+
+
+def tasks(n: int = 6):
+  return suite_pyfunc.split(suite_pyfunc.generate(), "train")[:n]
+
+
+def config(**kw) -> PipelineConfig:
+  base = dict(max_staleness=1, prompts_per_step=2, attempts=4, max_new_tokens=12, seq_len=96,
+              batch_rows=8, grade_workers=2)
+  base.update(kw)
+  return PipelineConfig(**base)
+
+
+def learner(max_staleness: int = 1, seed: int = 0) -> Learner:
+  return Learner(MODEL, mesh=sharding.make_mesh((1, 1, 1, 1)),
+                 opt_cfg=OptimizerConfig(learning_rate=1e-3),
+                 loss_cfg=LossConfig(objective="policy", max_staleness=max_staleness),
+                 sampler_dtype="float32", seed=seed)
