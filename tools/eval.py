@@ -1,0 +1,106 @@
+"""Scores a checkpoint on a task suite: pass@1 / pass@k with the training harness and sandboxes.
+
+Usage:
+
+  bazel run //tools:eval -- --checkpoint=/path/to/ckpt --n=8 --k_list='(1, 4, 8)' --temperature=0.8
+  bazel run //tools:eval -- --hf_checkpoint=/path/to/hf_dir --suite=swe --mode=agent
+  .venv/bin/python -m tools.eval --gin_file=moe/configs/tiny.gin --random_init=True --limit=5
+
+Every parameter of `eval_run` is a flag (`--n=4`) or a gin binding (`--gin.eval_run.n=4`);
+`--gin_file` adds gin files (a model size file for --random_init). Per-task results go to
+`--out` (JSONL) and the summary to `<out stem>.summary.json`; the last lines printed are the
+summary table.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional, Sequence
+
+import gin
+
+from envs import pool as pool_lib
+from envs import suite_pyfunc
+from envs import suite_swe
+from envs import tasks as tasks_lib
+from evaluation import evaluate as evaluate_lib
+from tools import configs
+from tools import gin_cli
+
+SUITES = ("pyfunc", "swe", "file")
+
+
+def load_suite(suite: str, split: Optional[str], task_file: Optional[str],
+               limit: Optional[int]) -> list[tasks_lib.Task]:
+  """The tasks of `suite` ("pyfunc", "swe" or "file" = task_file), filtered by split."""
+  if suite == "pyfunc":
+    tasks = suite_pyfunc.generate()
+  elif suite == "swe":
+    tasks = suite_swe.generate()
+  elif suite == "file":
+    if not task_file:
+      raise gin_cli.CliError("--suite=file needs --task_file=PATH (JSONL or task directories)")
+    loaded = tasks_lib.load_tasks(gin_cli.resolve_path(task_file))
+    for r in loaded.rejected:
+      print(f"rejected task {r.task_id or r.source}: {'; '.join(r.reasons)}", file=sys.stderr)
+    tasks = loaded.tasks
+  else:
+    raise gin_cli.CliError(f"--suite must be one of {SUITES}, got {suite!r}")
+  if split:
+    tasks = [t for t in tasks if t.split == split]
+  if limit is not None:
+    tasks = tasks[:limit]
+  if not tasks:
+    raise gin_cli.CliError(f"no tasks in suite {suite!r} with split {split!r}")
+  return tasks
+
+
+@gin.configurable
+def eval_run(checkpoint: Optional[str] = None, hf_checkpoint: Optional[str] = None,
+             random_init: bool = False, model_seed: int = 0, suite: str = "pyfunc",
+             split: Optional[str] = "test", task_file: Optional[str] = None,
+             limit: Optional[int] = None, n: int = 1, k_list: Sequence[int] = (1,),
+             temperature: float = 0.0, max_tokens: int = 96, seed: int = 0,
+             out: str = "/tmp/eval/results.jsonl", mode: str = "auto", pool_size: int = 4,
+             allow_degraded: bool = False, max_concurrency: int = 64) -> evaluate_lib.EvalReport:
+  """Loads the model (exactly one of checkpoint, hf_checkpoint, random_init), runs the eval."""
+  if sum([checkpoint is not None, hf_checkpoint is not None, bool(random_init)]) != 1:
+    raise gin_cli.CliError("give exactly one of --checkpoint, --hf_checkpoint or "
+                           "--random_init=True (with a model gin file)")
+  tasks = load_suite(suite, split, task_file, limit)
+  from rollout import loading  # pylint: disable=g-import-not-at-top  (imports jax)
+  try:
+    model = loading.load_model(
+        checkpoint=gin_cli.resolve_path(checkpoint) if checkpoint else None,
+        hf_checkpoint=gin_cli.resolve_path(hf_checkpoint) if hf_checkpoint else None,
+        config=configs.model_config() if random_init else None, seed=model_seed)
+  except ValueError as e:
+    raise gin_cli.CliError(str(e)) from e
+  print(f"evaluating on {len(tasks)} {suite} task(s), n={n}, k={tuple(k_list)}", flush=True)
+
+  def progress(done, total):
+    if done == total or done % max(1, total // 10) == 0:
+      print(f"  {done}/{total} tasks", flush=True)
+
+  with pool_lib.WarmPool(size=pool_size, allow_degraded=allow_degraded) as pool:
+    return evaluate_lib.evaluate(model, tasks, n=n, k_list=k_list, temperature=temperature,
+                                 max_tokens=max_tokens, seed=seed, pool=pool,
+                                 out_path=gin_cli.resolve_path(out), mode=mode,
+                                 max_concurrency=max_concurrency, progress=progress)
+
+
+def main(argv: Sequence[str]) -> int:
+  try:
+    files, bindings, _ = gin_cli.split_args(argv, eval_run)
+    gin_cli.parse(files, bindings)
+    report = eval_run()
+  except (gin_cli.CliError, configs.ConfigError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(f"per-task results: {report.out_path}")
+  print(report.table())
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,109 @@
+"""Launches an experiment: the work units of named jobs an experiment gin file binds.
+
+Usage (the experiment file states its own command in its first comment):
+
+  bazel run //tools:launch -- --experiment=launch/testdata/echo.gin
+  bazel run //tools:launch -- --experiment=EXP.gin --executor=xm      # real xmanager, xm_local
+  .venv/bin/python -m tools.launch --experiment=EXP.gin --use_bazel=False --dry_run
+  ... --gin.experiment.sweep='{"learner.lr": [1e-4, 3e-4], "seed": [0, 1]}'   # 4 work units
+
+An experiment file binds `experiment.name`, `experiment.jobs` (a list of `@<scope>/job()` calls,
+one scope per job) and optionally `experiment.sweep` (a grid {arg: [values]}, "job.arg" for one
+job) or `experiment.points` (an explicit list of {arg: value}). Launcher settings are the
+parameters of `launch_main` (`--root_dir`, `--executor`, `--use_bazel`, `--on_failure`, ...).
+gin lives only here: launch/ takes plain objects.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Mapping, Optional, Sequence
+
+import gin
+
+from launch import local
+from launch import spec
+from launch import xm_adapter
+from tools import gin_cli
+
+
+@gin.configurable
+def job(name: str = gin.REQUIRED, target: Optional[str] = None, module: Optional[str] = None,
+        command: Optional[Sequence[str]] = None, args: Any = (),
+        env: Optional[Mapping[str, str]] = None, port: bool = True) -> spec.Job:
+  """One job: exactly one of a Bazel `target`, a Python `module` or a `command` argv."""
+  given = [x for x in (target, module, command) if x is not None]
+  if len(given) != 1:
+    raise spec.SpecError(f"job {name!r}: give exactly one of target, module or command")
+  if target is not None:
+    exe = spec.BazelBinary(target)
+  elif module is not None:
+    exe = spec.PyModule(module)
+  else:
+    exe = spec.Command(tuple(command))
+  return spec.Job(name=name, executable=exe, args=args, env=dict(env or {}), port=port)
+
+
+@gin.configurable
+def experiment(name: str = gin.REQUIRED, jobs: Sequence[spec.Job] = gin.REQUIRED,
+               sweep: Optional[Mapping[str, Sequence[Any]]] = None,
+               points: Optional[Sequence[Mapping[str, Any]]] = None) -> spec.Experiment:
+  if sweep and points:
+    raise spec.SpecError("bind experiment.sweep (a grid) or experiment.points, not both")
+  pts = spec.grid(sweep) if sweep else (list(points) if points else [{}])
+  return spec.sweep(name, list(jobs), pts)
+
+
+@gin.configurable
+def launch_main(executor: str = "local", root_dir: str = "/tmp/launch", use_bazel: bool = True,
+                bazel_args: Sequence[str] = (), on_failure: str = "stop_work_unit",
+                grace_s: float = 5.0, max_parallel: Optional[int] = None,
+                dry_run: bool = False) -> int:
+  """Builds the bound experiment and runs it; returns the process exit code."""
+  exp = experiment()
+  root_dir = gin_cli.resolve_path(root_dir)
+  if dry_run:
+    print(f"experiment {exp.name}: {len(exp.work_units)} work unit(s); Bazel targets: "
+          f"{', '.join(exp.bazel_labels) or '-'}")
+    for i, wu in enumerate(exp.work_units):
+      print(f"work unit {i} {dict(wu.params)}")
+      for j in wu.jobs:
+        exe = j.executable
+        what = getattr(exe, "label", None) or getattr(exe, "module", None) or " ".join(exe.argv)
+        print(f"  {j.name}: {what} {' '.join(j.argv_args)}")
+    return 0
+  if executor == "xm":
+    exp_dir = os.path.join(root_dir, exp.name + "-xm")
+    xm_adapter.launch(exp, exp_dir, bazel_args=bazel_args)
+    print(f"launched {len(exp.work_units)} work unit(s) with xm_local; jobs.json under {exp_dir}")
+    return 0
+  if executor != "local":
+    raise spec.SpecError(f"executor must be 'local' or 'xm', got {executor!r}")
+  ex = local.LocalExecutor(root_dir, use_bazel=use_bazel, bazel_args=tuple(bazel_args),
+                           on_failure=on_failure, grace_s=grace_s, max_parallel=max_parallel)
+  run = ex.run(exp)
+  print(run.summary())
+  print(f"experiment directory: {run.dir}")
+  if run.interrupted:
+    return 130
+  return 0 if run.succeeded() else 1
+
+
+def main(argv: Sequence[str]) -> int:
+  try:
+    files, bindings, extra = gin_cli.split_args(argv, launch_main, extra_flags=("experiment",))
+    if "experiment" in extra:
+      files.insert(0, gin_cli.resolve_path(extra["experiment"]))
+      gin_cli.split_args([f"--gin_file={files[0]}"], launch_main)  # existence check
+    if not files:
+      raise gin_cli.CliError("give an experiment gin file: --experiment=PATH or --gin_file=PATH")
+    gin_cli.parse(files, bindings)
+    return launch_main()
+  except (gin_cli.CliError, spec.SpecError, xm_adapter.XManagerUnavailable) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
