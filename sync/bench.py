@@ -1,15 +1,21 @@
 """Weight-sync benchmark library: our delta codec vs plain XOR+zstd vs memcpy, same run.
 
-What: `measure(base, new)` times `delta.encode`/`delta.decode` (the public interface, so the
-chunked parallel paths are what is measured), a plain baseline (XOR of bit patterns, zstd
-level 1 per tensor, XOR back on decode) and `np.copy` of the weights, and returns ratios and
-GB/s (model bytes per second). `synthetic_pairs` builds RL-like updates (see `synthetic`);
-`load_flat` reads real checkpoints (orbax directories or .npz) so two consecutive learner
-checkpoints can be measured the same way. `terabyte_report` feeds the measured per-core rates
-into the simulator. `tools/bench_sync.py` is the command-line entry point.
+What: `measure(base, new)` times, interleaved and repeated (medians), through the public
+interface (so the chunked parallel paths are what is measured):
+  * `delta.encode`, and a plain baseline: XOR of bit patterns, zstd level 1 per tensor;
+  * `delta.apply_inplace` into a held copy of `base` (what `Subscriber(inplace=True)` does on a
+    sampler), against memcpy of the new weights into those same held buffers;
+  * `delta.decode(..., out=recycled buffers)` and `delta.decode` into new arrays, against
+    `np.copy` into new arrays (first-touch page faults dominate both) and the XOR+zstd decode.
+GB/s are bytes of model weights per second. `synthetic_pairs` builds RL-like updates (see
+`synthetic`); `load_flat` reads checkpoints (orbax directories or .npz) so two consecutive learner
+checkpoints can be measured the same way; `train_deltas` (separate: it needs JAX) yields real
+consecutive versions. `terabyte_report` feeds the measured per-core rates into the simulator.
+`tools/bench_sync.py` is the command-line entry point.
 """
 
 import dataclasses
+import io
 import os
 import time
 
@@ -25,28 +31,33 @@ from sync import weights
 
 @dataclasses.dataclass
 class Row:
+  """Medians over the repeats of one (base, new) pair; GB/s of model bytes."""
   label: str
   params: int
-  changed: float
-  ratio: float
+  changed: float  # fraction of elements whose bits changed
+  ratio: float  # model bytes / delta blob bytes
   encode_GBps: float
-  decode_GBps: float
+  apply_GBps: float  # delta.apply_inplace into held weights
+  memcpy_GBps: float  # np.copyto of the new weights into the same held buffers
+  decode_GBps: float  # delta.decode(..., out=recycled buffers)
+  decode_fresh_GBps: float  # delta.decode into newly allocated arrays
+  memcpy_fresh_GBps: float  # np.copy into newly allocated arrays
   xor_ratio: float
   xor_encode_GBps: float
   xor_decode_GBps: float
-  memcpy_GBps: float
   workers: int
-  decode_fresh_GBps: float = 0.0  # decode into newly allocated arrays
-  memcpy_fresh_GBps: float = 0.0  # np.copy into newly allocated arrays
+  repeats: int
+  kinds: dict = dataclasses.field(default_factory=dict)  # chunk kind -> count
+
+  @property
+  def apply_vs_memcpy(self) -> float:
+    return self.apply_GBps / self.memcpy_GBps
 
 
-def _best(fn, repeats):
-  best, out = float("inf"), None
-  for _ in range(repeats):
-    t = time.perf_counter()
-    out = fn()
-    best = min(best, time.perf_counter() - t)
-  return best, out
+def _timed(fn):
+  t = time.perf_counter()
+  out = fn()
+  return time.perf_counter() - t, out
 
 
 def xor_zstd_encode(base, new, level=1):
@@ -65,29 +76,56 @@ def xor_zstd_decode(base, blobs):
   return out
 
 
-def measure(base: dict, new: dict, label: str = "", repeats: int = 2, workers=None) -> Row:
-  """Times ours, the XOR+zstd baseline and memcpy on one (base, new) pair; checks exactness."""
+def _check_same(out, new, what):
+  for k in new:
+    if not np.array_equal(weights.words(out[k]), weights.words(new[k])):
+      raise AssertionError(f"{what} is not bit-exact at {k}")
+
+
+def measure(base: dict, new: dict, label: str = "", repeats: int = 5, workers=None) -> Row:
+  """Times ours, the XOR+zstd baseline and memcpy on one (base, new) pair; checks exactness.
+
+  Every repeat runs each measurement once, in the same order, so machine load affects all of
+  them alike; the row holds medians.
+  """
   nb = weights.nbytes(new)
   elems = sum(a.size for a in new.values())
   changed = sum(int(np.count_nonzero(weights.words(base[k]) != weights.words(new[k])))
                 for k in new if k in base)
   w = workers or min(8, os.cpu_count() or 1)
-  te, blob = _best(lambda: delta.encode(base, new, workers=w), repeats)
-  # Steady state on a sampler: decode into the buffers of the version before last (warm pages).
-  bufs = {k: np.ones_like(v) for k, v in new.items()}
-  td, out = _best(lambda: delta.decode(base, blob, workers=w, out=bufs), repeats)
-  for k in new:
-    if not np.array_equal(weights.words(out[k]), weights.words(new[k])):
-      raise AssertionError(f"decode is not bit-exact at {k}")
-  tm, _ = _best(lambda: [np.copyto(bufs[k], v) for k, v in new.items()], repeats)
-  del out, bufs
-  tdf, _ = _best(lambda: delta.decode(base, blob, workers=w), 1)
-  tmf, _ = _best(lambda: {k: np.copy(v) for k, v in new.items()}, 1)
-  txe, xb = _best(lambda: xor_zstd_encode(base, new), repeats)
-  txd, _ = _best(lambda: xor_zstd_decode(base, xb), repeats)
-  return Row(label, elems, changed / max(1, elems), nb / len(blob), nb / te / 1e9,
-             nb / td / 1e9, nb / sum(len(b) for b in xb.values()), nb / txe / 1e9,
-             nb / txd / 1e9, nb / tm / 1e9, w, nb / tdf / 1e9, nb / tmf / 1e9)
+  held = {k: v.copy() for k, v in base.items()}  # the sampler's one weight set
+  bufs = {k: np.ones_like(v) for k, v in new.items()}  # a recycled second set
+  t = {k: [] for k in ("enc", "apply", "memcpy", "dec", "dec_fresh", "memcpy_fresh", "xenc",
+                       "xdec")}
+  kinds = {}
+  blob = xb = None
+  for r in range(repeats):
+    sink = io.BytesIO()
+    dt, st = _timed(lambda: delta.encode_to(sink, base, new, workers=w))
+    t["enc"].append(dt)
+    blob, kinds = sink.getvalue(), st.chunks
+    for k, v in base.items():  # reset the held weights to the parent (not timed)
+      np.copyto(held[k], v)
+    dt, (out, _) = _timed(lambda: delta.apply_inplace(held, blob, workers=w))
+    t["apply"].append(dt)
+    if r == 0:
+      _check_same(out, new, "apply_inplace")
+    t["memcpy"].append(_timed(lambda: [np.copyto(held[k], v) for k, v in new.items()])[0])
+    dt, out = _timed(lambda: delta.decode(base, blob, workers=w, out=bufs))
+    t["dec"].append(dt)
+    if r == 0:
+      _check_same(out, new, "decode(out=)")
+    del out
+    t["dec_fresh"].append(_timed(lambda: delta.decode(base, blob, workers=w))[0])
+    t["memcpy_fresh"].append(_timed(lambda: {k: np.copy(v) for k, v in new.items()})[0])
+    dt, xb = _timed(lambda: xor_zstd_encode(base, new))
+    t["xenc"].append(dt)
+    t["xdec"].append(_timed(lambda: xor_zstd_decode(base, xb))[0])
+  g = {k: nb / float(np.median(v)) / 1e9 for k, v in t.items()}
+  return Row(label, elems, changed / max(1, elems), nb / len(blob), g["enc"], g["apply"],
+             g["memcpy"], g["dec"], g["dec_fresh"], g["memcpy_fresh"],
+             nb / sum(len(b) for b in xb.values()), g["xenc"], g["xdec"], w, repeats,
+             dict(kinds))
 
 
 def synthetic_pairs(params: int, fractions, seed: int = 0):
@@ -148,7 +186,7 @@ def from_checkpoints(path1: str, path2: str, dtype=None, **kw) -> Row:
 def terabyte_report(row: Row, cores_here: int | None = None, **kw) -> dict:
   """The simulator's 1 TB / four-cluster answer from a measured row's per-core rates."""
   cores = cores_here or row.workers
-  enc, dec = row.encode_GBps * 1e9 / cores, row.decode_GBps * 1e9 / cores
+  enc, dec = row.encode_GBps * 1e9 / cores, row.apply_GBps * 1e9 / cores  # the subscriber applies in place
   out = {}
   for mode in (False, True):
     r = sim.simulate(sim.terabyte_four_clusters(enc, dec, row.ratio, apply_delta_only=mode,
@@ -160,12 +198,14 @@ def terabyte_report(row: Row, cores_here: int | None = None, **kw) -> dict:
 
 
 def markdown(rows) -> str:
-  head = ("| update | changed | ours ratio | ours enc GB/s | ours dec GB/s | XOR+zstd ratio | "
-          "XOR+zstd enc GB/s | XOR+zstd dec GB/s | memcpy GB/s | ours dec / memcpy into new "
-          "arrays GB/s |\n"
+  """The rows as a Markdown table (ours vs XOR+zstd vs memcpy, all from the same run)."""
+  head = ("| update | changed | ratio ours / XOR+zstd | encode GB/s ours / XOR+zstd | "
+          "apply in place GB/s | memcpy into the same buffers GB/s | **apply / memcpy** | "
+          "decode(out=) GB/s | decode() / memcpy, new arrays GB/s | XOR+zstd decode GB/s |\n"
           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n")
   return head + "".join(
-      f"| {r.label} | {r.changed:.2%} | {r.ratio:.1f}x | {r.encode_GBps:.2f} | "
-      f"{r.decode_GBps:.2f} | {r.xor_ratio:.1f}x | {r.xor_encode_GBps:.2f} | "
-      f"{r.xor_decode_GBps:.2f} | {r.memcpy_GBps:.2f} | "
-      f"{r.decode_fresh_GBps:.2f} / {r.memcpy_fresh_GBps:.2f} |\n" for r in rows)
+      f"| {r.label} | {r.changed:.2%} | {r.ratio:.1f}x / {r.xor_ratio:.1f}x | "
+      f"{r.encode_GBps:.2f} / {r.xor_encode_GBps:.2f} | {r.apply_GBps:.2f} | "
+      f"{r.memcpy_GBps:.2f} | {r.apply_vs_memcpy:.2f} | {r.decode_GBps:.2f} | "
+      f"{r.decode_fresh_GBps:.2f} / {r.memcpy_fresh_GBps:.2f} | {r.xor_decode_GBps:.2f} |\n"
+      for r in rows)

@@ -252,6 +252,52 @@ def read_trailer(blob) -> tuple[str, str]:
   return parent.decode(), digest.decode()
 
 
+def _records(reader, expected, chunk_elems, itemsizes):
+  """Yields verified (ti, ci, kind, payload, base hash, new hash) records in header order."""
+  for ti, ci in expected:
+    rec = reader.read(_REC.size)
+    (check,) = _CHECK.unpack(reader.read(_CHECK.size))
+    if check != xxhash.xxh32_intdigest(rec):
+      raise DeltaError(f"record header checksum mismatch at tensor {ti} chunk {ci}")
+    rti, rci, kind, plen, ph, bh, nh = _REC.unpack(rec)
+    if (rti, rci) != (ti, ci):
+      raise DeltaError(f"records out of order: got ({rti},{rci}), want ({ti},{ci})")
+    if plen > 2 * chunk_elems * itemsizes[ti] + 1024:
+      raise DeltaError("payload length is implausible")
+    payload = bytes(reader.read(plen))
+    if weights.xxh(payload) != ph:
+      raise DeltaError(f"payload checksum mismatch at tensor {ti} chunk {ci}")
+    yield ti, ci, kind, payload, bh, nh
+
+
+def _finish(reader, stats, nrec_expected, digest, expect_parent):
+  """Reads and checks the trailer against the records seen (their version digest)."""
+  if bytes(reader.read(len(END_MAGIC))) != END_MAGIC:
+    raise DeltaError("blob is truncated or has extra records (no trailer)")
+  tail = bytes(reader.read(_TRAILER.size))
+  if _CHECK.unpack(reader.read(_CHECK.size))[0] != xxhash.xxh32_intdigest(tail):
+    raise DeltaError("trailer checksum mismatch")
+  nrec, parent, dig = _TRAILER.unpack(tail)
+  stats.parent_digest, stats.digest = parent.decode(), dig.decode()
+  if nrec != nrec_expected:
+    raise DeltaError("record count mismatch")
+  if stats.digest != digest:
+    raise DeltaError("version digest mismatch")
+  if expect_parent is not None and stats.parent_digest != expect_parent:
+    raise DeltaError("delta's parent is not the expected version")
+  if not reader.at_end():
+    raise DeltaError("trailing bytes after the trailer")
+
+
+def _fit_base(base, name, dt, shape):
+  dtype = weights.dtype_from_name(dt)
+  b = base.get(name)
+  if b is None or np.asarray(b).dtype != dtype or tuple(np.asarray(b).shape) != tuple(shape):
+    raise DeltaError(f"base does not fit the delta at tensor {name!r} "
+                     f"(want {dt}{tuple(shape)})")
+  return b
+
+
 def decode_stream(base: Mapping[str, np.ndarray], source, *, workers=None,
                   expect_parent: str | None = None, out: Mapping[str, np.ndarray] | None = None):
   """Rebuilds the new version from `base` and a blob read from `source`.
@@ -291,33 +337,13 @@ def decode_stream(base: Mapping[str, np.ndarray], source, *, workers=None,
     if raw:
       bases.append(None)
     else:
-      b = base.get(name)
-      if b is None or np.asarray(b).dtype != dtype or tuple(np.asarray(b).shape) != tuple(shape):
-        raise DeltaError(f"base does not fit the delta at tensor {name!r} "
-                         f"(want {dt}{tuple(shape)})")
-      bases.append(weights.words(np.asarray(b)))
+      bases.append(weights.words(np.asarray(_fit_base(base, name, dt, shape))))
     for ci, _ in enumerate(weights.chunk_bounds(o.size, chunk_elems)):
       expected.append((len(outs) - 1, ci))
     stats.raw_bytes += o.nbytes
     stats.elements += o.size
   local = _Local(1)
   outw = [weights.words(o) for o in outs]
-
-  def records():
-    for ti, ci in expected:
-      rec = reader.read(_REC.size)
-      (check,) = _CHECK.unpack(reader.read(_CHECK.size))
-      if check != xxhash.xxh32_intdigest(rec):
-        raise DeltaError(f"record header checksum mismatch at tensor {ti} chunk {ci}")
-      rti, rci, kind, plen, ph, bh, nh = _REC.unpack(rec)
-      if (rti, rci) != (ti, ci):
-        raise DeltaError(f"records out of order: got ({rti},{rci}), want ({ti},{ci})")
-      if plen > 2 * chunk_elems * outw[ti].itemsize + 1024:
-        raise DeltaError("payload length is implausible")
-      payload = bytes(reader.read(plen))
-      if weights.xxh(payload) != ph:
-        raise DeltaError(f"payload checksum mismatch at tensor {ti} chunk {ci}")
-      yield ti, ci, kind, payload, bh, nh
 
   def work(item):
     ti, ci, kind, payload, bh, nh = item
@@ -342,28 +368,15 @@ def decode_stream(base: Mapping[str, np.ndarray], source, *, workers=None,
   last_ti = -1
   w = _workers(workers)
   with concurrent.futures.ThreadPoolExecutor(w) as pool:
-    for ti, kind, nh in _ordered(pool, work, records(), 2 * w):
+    recs = _records(reader, expected, chunk_elems, [o.itemsize for o in outw])
+    for ti, kind, nh in _ordered(pool, work, recs, 2 * w):
       if ti != last_ti:
         dig.tensor(*tensors[ti][:3])
         last_ti = ti
       dig.chunk(nh)
       k = codec.KIND_NAMES.get(kind, str(kind))
       stats.chunks[k] = stats.chunks.get(k, 0) + 1
-  if bytes(reader.read(len(END_MAGIC))) != END_MAGIC:
-    raise DeltaError("blob is truncated or has extra records (no trailer)")
-  tail = bytes(reader.read(_TRAILER.size))
-  if _CHECK.unpack(reader.read(_CHECK.size))[0] != xxhash.xxh32_intdigest(tail):
-    raise DeltaError("trailer checksum mismatch")
-  nrec, parent, digest = _TRAILER.unpack(tail)
-  stats.parent_digest, stats.digest = parent.decode(), digest.decode()
-  if nrec != len(expected):
-    raise DeltaError("record count mismatch")
-  if stats.digest != dig.hexdigest():
-    raise DeltaError("version digest mismatch")
-  if expect_parent is not None and stats.parent_digest != expect_parent:
-    raise DeltaError("delta's parent is not the expected version")
-  if not reader.at_end():
-    raise DeltaError("trailing bytes after the trailer")
+  _finish(reader, stats, len(expected), dig.hexdigest(), expect_parent)
   stats.seconds = time.perf_counter() - t0
   return {t[0]: o for t, o in zip(tensors, outs)}, stats
 
@@ -371,3 +384,133 @@ def decode_stream(base: Mapping[str, np.ndarray], source, *, workers=None,
 def decode(base: Mapping[str, np.ndarray], blob, **kw) -> dict[str, np.ndarray]:
   """The new version rebuilt bit-exactly from `base` and `blob`; raises DeltaError."""
   return decode_stream(base, blob, **kw)[0]
+
+
+def apply_inplace(base: Mapping[str, np.ndarray], source, *, workers=None,
+                  expect_parent: str | None = None, verify_base: bool = False):
+  """Turns `base` into the new version by writing only the changed elements into its arrays.
+
+  The cheap path for a sampler that holds one copy of the weights: no second model is
+  allocated or copied, so the work is decompressing the payloads, scattering the changed
+  elements and hashing the result (to prove it is version `digest`).
+
+  All or nothing: the whole blob is read and every record, payload checksum, the trailer, the
+  version digest over the records' chunk hashes and `expect_parent` are checked before the
+  first byte of `base` changes. Chunks are then applied in parallel and each rebuilt chunk's
+  hash is checked; if any chunk fails (a base that is not the parent, a payload that passes its
+  checksum but does not decode), every applied chunk is rolled back exactly (unsigned
+  subtraction of the same changes) and DeltaError is raised, so `base` holds its previous
+  bits again. Readers of `base` must not run concurrently with this call.
+
+  Args:
+    base: the parent version; arrays of tensors present in the delta must be writable,
+      C-contiguous numpy arrays, each its own memory (ValueError otherwise). The mapping itself
+      is not modified.
+    source: the blob (bytes-like or file-like; it is read whole before anything is applied).
+    workers: threads (default: cores, at most 8).
+    expect_parent: if given, the blob's parent digest must equal it.
+    verify_base: also hash every base chunk against the delta's parent chunk hashes before
+      mutating (one more pass over the weights; without it a wrong base is caught by the result
+      hashes and rolled back).
+
+  Returns:
+    (flat dict of the new version, Stats). Tensors with a base are the very arrays of `base`;
+    tensors stored whole (new names, changed dtype or shape) are new arrays; tensors only in
+    `base` are left out.
+
+  Raises:
+    DeltaError: damage, truncation, reordering, or a base that is not the parent; `base` is
+      unchanged.
+  """
+  t0 = time.perf_counter()
+  reader = _Reader(source)
+  head = _read_header(reader)
+  chunk_elems = head["chunk_elems"]
+  tensors = head["tensors"]
+  stats = Stats()
+  outs, expected, spans = [], [], []
+  for name, dt, shape, raw in tensors:
+    if raw:
+      o = np.empty(shape, weights.dtype_from_name(dt))
+    else:
+      o = _fit_base(base, name, dt, shape)
+      if not (isinstance(o, np.ndarray) and o.flags.c_contiguous and o.flags.writeable):
+        raise ValueError(f"base[{name!r}] must be a writable C-contiguous numpy array")
+      if o.nbytes:
+        spans.append((o.__array_interface__["data"][0], o.nbytes, name))
+    outs.append(o)
+    for ci, _ in enumerate(weights.chunk_bounds(o.size, chunk_elems)):
+      expected.append((len(outs) - 1, ci))
+    stats.raw_bytes += o.nbytes
+    stats.elements += o.size
+  spans.sort()
+  for (a, n, name), (b, _, other) in zip(spans, spans[1:]):
+    if b < a + n:
+      raise ValueError(f"base[{name!r}] and base[{other!r}] share memory")
+  outw = [weights.words(o) for o in outs]
+  # Phase 1: read and check everything; nothing is modified yet.
+  recs = list(_records(reader, expected, chunk_elems, [o.itemsize for o in outw]))
+  dig = weights.Digester()
+  last_ti = -1
+  for ti, _, _, _, _, nh in recs:
+    if ti != last_ti:
+      dig.tensor(*tensors[ti][:3])
+      last_ti = ti
+    dig.chunk(nh)
+  _finish(reader, stats, len(expected), dig.hexdigest(), expect_parent)
+  raw_t = [t[3] for t in tensors]
+
+  def view(rec):
+    ti, ci = rec[0], rec[1]
+    start = ci * chunk_elems
+    return outw[ti][start:min(outw[ti].size, start + chunk_elems)]
+
+  local = _Local(1)
+  w = _workers(workers)
+  with concurrent.futures.ThreadPoolExecutor(w) as pool:
+    if verify_base:
+      def base_ok(rec):
+        return raw_t[rec[0]] or weights.chunk_hash(view(rec)) == rec[4]
+      bad = [r for r, ok in zip(recs, pool.map(base_ok, recs)) if not ok]
+      if bad:
+        raise DeltaError(f"base does not match the delta's parent at tensor "
+                         f"{tensors[bad[0][0]][0]!r} chunk {bad[0][1]}")
+
+    # Phase 2: apply chunk by chunk; returns (applied, error message or None).
+    def work(rec):
+      ti, ci, kind, payload, bh, nh = rec
+      if raw_t[ti] != (kind == codec.RAW):
+        return False, f"tensor {tensors[ti][0]!r} chunk {ci}: kind {kind} does not fit"
+      o = view(rec)
+      try:
+        changes = codec.decode_changes(kind, payload, o.size, o.dtype, local.dctx)
+      except codec.CodecError as e:
+        return False, f"tensor {tensors[ti][0]!r} chunk {ci}: {e}"
+      codec.apply_changes(kind, changes, o)
+      if weights.chunk_hash(o) != nh:
+        return True, f"rebuilt chunk hash mismatch at tensor {tensors[ti][0]!r} chunk {ci}"
+      return True, None
+
+    results = list(pool.map(work, recs))
+    errors = [e for _, e in results if e]
+    if errors:
+      def undo(rec):
+        ti, _, kind, payload, bh, _ = rec
+        if raw_t[ti]:
+          return True
+        o = view(rec)
+        changes = codec.decode_changes(kind, payload, o.size, o.dtype, local.dctx)
+        codec.apply_changes(kind, changes, o, undo=True)
+        return weights.chunk_hash(o) == bh
+      # list() first: all() would stop early and the pool would cancel the remaining undos.
+      restored = list(pool.map(undo, [r for r, (done, _) in zip(recs, results) if done]))
+      base_matches = all(restored)
+      if not base_matches:
+        raise DeltaError("base does not match the delta's parent (foreign or out-of-order "
+                         f"delta); rolled back. First failure: {errors[0]}")
+      raise DeltaError(f"{errors[0]}; rolled back")
+  for _, _, kind, *_ in recs:
+    k = codec.KIND_NAMES.get(kind, str(kind))
+    stats.chunks[k] = stats.chunks.get(k, 0) + 1
+  stats.seconds = time.perf_counter() - t0
+  return {t[0]: o for t, o in zip(tensors, outs)}, stats

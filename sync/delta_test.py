@@ -169,6 +169,73 @@ def test_foreign_delta_wrong_parent_or_shapes_is_rejected():
     delta.decode(base, b"not a blob at all")
 
 
+def _copy(flat):
+  return {k: v.copy() for k, v in flat.items()}
+
+
+@pytest.mark.parametrize("frac", [0.0, 0.04, 0.25, 0.9])
+def test_apply_inplace_is_bit_exact_and_writes_into_base(frac):
+  base, new = _pair(frac=frac)
+  new["added"] = np.arange(5, dtype=np.float32)  # stored RAW: a new array
+  held = _copy(base)
+  arrays = dict(held)
+  out, stats = delta.apply_inplace(held, delta.encode(base, new, chunk_elems=20_000),
+                                   workers=2, verify_base=frac > 0.5)
+  assert _same_bits(out, new) and stats.digest == weights.digest(new, 20_000)
+  assert all(out[k] is arrays[k] for k in base)
+  assert held.keys() == base.keys()  # the mapping itself is not modified
+
+
+def test_apply_inplace_rejects_damage_without_touching_base():
+  base, new = _pair(frac=0.05)
+  blob = delta.encode(base, new, chunk_elems=50_000)
+  rng = np.random.default_rng(1)
+  for p in sorted(set(rng.integers(0, len(blob), 60).tolist()) | {len(blob) - 5}):
+    bad = bytearray(blob)
+    bad[p] ^= 1 << int(rng.integers(0, 8))
+    held = _copy(base)
+    with pytest.raises(delta.DeltaError):
+      delta.apply_inplace(held, bytes(bad))
+    assert _same_bits(held, base)
+  held = _copy(base)
+  with pytest.raises(delta.DeltaError):
+    delta.apply_inplace(held, blob[:len(blob) // 2])
+  with pytest.raises(delta.DeltaError, match="expected"):
+    delta.apply_inplace(held, blob, expect_parent="0" * 32)
+  assert _same_bits(held, base)
+
+
+def test_apply_inplace_on_a_foreign_base_rolls_back_every_chunk():
+  base, new = _pair()
+  blob = delta.encode(base, new, chunk_elems=20_000)
+  other, _ = _pair(seed=11)  # same names and shapes, other values
+  other["a/w"][0, :100] = base["a/w"][0, :100]  # partly equal: some chunks apply cleanly
+  held = _copy(other)
+  with pytest.raises(delta.DeltaError, match="parent.*rolled back"):
+    delta.apply_inplace(held, blob, workers=2)
+  assert _same_bits(held, other)
+  with pytest.raises(delta.DeltaError, match="parent"):
+    delta.apply_inplace(held, blob, verify_base=True)
+  assert _same_bits(held, other)
+
+
+def test_apply_inplace_rejects_unusable_buffers():
+  base, new = _pair()
+  blob = delta.encode(base, new)
+  ro = _copy(base)
+  ro["a/b"].flags.writeable = False
+  with pytest.raises(ValueError, match="writable"):
+    delta.apply_inplace(ro, blob)
+  flat = np.zeros(300 * 700 + 700, BF16)  # one buffer sliced into tensors is fine ...
+  held = dict(base, **{"a/w": flat[:300 * 700].reshape(300, 700), "a/b": flat[300 * 700:]})
+  held["a/w"][...] = base["a/w"]
+  held["a/b"][...] = base["a/b"]
+  assert _same_bits(delta.apply_inplace(held, blob)[0], new)
+  aliased = dict(held, **{"a/b": held["a/w"].reshape(-1)[:700]})  # ... overlapping is not
+  with pytest.raises(ValueError, match="share memory"):
+    delta.apply_inplace(aliased, delta.encode(aliased, new))
+
+
 def test_beats_plain_xor_zstd_on_rl_like_update():
   import zstandard  # pylint: disable=g-import-not-at-top
   master = synthetic.init_master({"w": (1024, 1024)}, 5)

@@ -21,10 +21,11 @@ class Sampler:
     self.applied = []
 
   def __call__(self, flat, version):
-    self.applied.append((version, flat))
+    # A copy: with Subscriber(inplace=True) the arrays handed over change after this call.
+    self.applied.append((version, {k: v.copy() for k, v in flat.items()}))
 
 
-def _setup(tmp_path, n=1, **kw):
+def _setup(tmp_path, n=1, inplace=False, **kw):
   st = store_lib.Store(str(tmp_path))
   kw.setdefault("snapshot_every", 100)
   pub = publisher.Publisher(st, chunk_elems=testing.CHUNK, **kw)
@@ -32,7 +33,7 @@ def _setup(tmp_path, n=1, **kw):
   for w in hist[:n]:
     pub.publish(w)
   sampler = Sampler()
-  return st, pub, hist, sampler, subscriber.Subscriber(st, sampler)
+  return st, pub, hist, sampler, subscriber.Subscriber(st, sampler, inplace=inplace)
 
 
 def test_follows_each_version_and_reports(tmp_path):
@@ -122,9 +123,10 @@ def test_bad_delta_is_rejected_and_recovered_by_snapshot(tmp_path, fault):
   assert testing.same_bits(sampler.applied[-1][1], hist[2])
 
 
+@pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("fault", range(7))
-def test_bad_delta_without_snapshot_keeps_the_old_version(tmp_path, fault):
-  st, pub, hist, sampler, sub = _setup(tmp_path, n=2)
+def test_bad_delta_without_snapshot_keeps_the_old_version(tmp_path, fault, inplace):
+  st, pub, hist, sampler, sub = _setup(tmp_path, n=2, inplace=inplace)
   sub.poll()
   held = sub.weights
   pub.publish(hist[2])
@@ -132,11 +134,13 @@ def test_bad_delta_without_snapshot_keeps_the_old_version(tmp_path, fault):
   with pytest.raises(subscriber.SyncError):
     sub.poll()
   assert sub.version == 1 and sub.weights is held
+  assert testing.same_bits(sub.weights, hist[1])  # in place: rolled back or never written
   assert [v for v, _ in sampler.applied] == [1]
 
 
-def test_failing_apply_fn_keeps_the_old_version(tmp_path):
-  st, pub, hist, sampler, sub = _setup(tmp_path, n=2)
+@pytest.mark.parametrize("inplace", [False, True])
+def test_failing_apply_fn_keeps_the_old_version(tmp_path, inplace):
+  st, pub, hist, sampler, sub = _setup(tmp_path, n=2, inplace=inplace)
   sub.poll()
 
   def broken(flat, version):
@@ -145,9 +149,29 @@ def test_failing_apply_fn_keeps_the_old_version(tmp_path):
   pub.publish(hist[2])
   with pytest.raises(RuntimeError):
     sub.poll()
-  assert sub.version == 1
+  assert sub.version == (2 if inplace else 1)  # in place: held on the host, not yet served
   sub.apply_fn = sampler
-  assert sub.poll().version == 2
+  r = sub.poll()
+  assert r.version == 2 and r.from_version == 1
+  assert [v for v, _ in sampler.applied] == [1, 2]
+  assert testing.same_bits(sampler.applied[-1][1], hist[2])
+
+
+def test_inplace_writes_the_held_arrays_and_catches_up(tmp_path):
+  st, pub, hist, sampler, sub = _setup(tmp_path, inplace=True, snapshot_every=4)
+  sub.poll()
+  arrays = dict(sub.weights)
+  for v in range(1, 3):
+    pub.publish(hist[v])
+    r = sub.poll()
+    assert r.steps == [("delta", v)] and r.decode_s > 0
+    assert all(sub.weights[k] is arrays[k] for k in arrays)  # no new model allocated
+    assert testing.same_bits(sampler.applied[-1][1], hist[v])
+  for w in hist[3:6]:
+    pub.publish(w)
+  r = sub.poll()  # a chain of deltas, or snapshot 4 plus a delta
+  assert r.version == 5 and testing.same_bits(sub.weights, hist[5])
+  assert testing.same_bits(sampler.applied[-1][1], hist[5])
 
 
 if __name__ == "__main__":
