@@ -20,7 +20,7 @@ from rl import checkpointing
 from rl.learner import Learner
 from rl.train_state import OptimizerConfig
 
-CFG = ModelConfig(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+CFG = ModelConfig(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                   intermediate_size=64, moe_intermediate_size=32, num_experts=4,
                   num_experts_per_tok=2, max_seq_len=32)
 

@@ -24,7 +24,7 @@ from rl.train_state import OptimizerConfig
 from rl.train_step import LossConfig
 from rl.trainer import Trainer
 
-CFG = ModelConfig(vocab_size=259, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+CFG = ModelConfig(vocab_size=259, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                   intermediate_size=64, moe_intermediate_size=32, num_experts=4,
                   num_experts_per_tok=2, max_seq_len=32)
 OPT = OptimizerConfig(learning_rate=3e-3, schedule="cosine", warmup_steps=2, decay_steps=6)
