@@ -1,10 +1,13 @@
 """Launches an experiment: the work units of named jobs an experiment gin file binds.
 
+(The Bazel target is //tools:launch; the file is not called launch.py because Bazel puts a
+binary's own directory first on sys.path, where tools/launch.py would shadow the launch package.)
+
 Usage (the experiment file states its own command in its first comment):
 
   bazel run //tools:launch -- --experiment=launch/testdata/echo.gin
   bazel run //tools:launch -- --experiment=EXP.gin --executor=xm      # real xmanager, xm_local
-  .venv/bin/python -m tools.launch --experiment=EXP.gin --use_bazel=False --dry_run
+  .venv/bin/python -m tools.launcher --experiment=EXP.gin --use_bazel=False --dry_run
   ... --gin.experiment.sweep='{"learner.lr": [1e-4, 3e-4], "seed": [0, 1]}'   # 4 work units
 
 An experiment file binds `experiment.name`, `experiment.jobs` (a list of `@<scope>/job()` calls,

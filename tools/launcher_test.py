@@ -1,4 +1,4 @@
-"""Tests for //tools:launch: the echo experiment from its gin file, sweeps, dry runs, bad flags.
+"""Tests for //tools:launch (tools/launcher.py): gin experiment files, sweeps, bad flags.
 
 Runs without Bazel (--use_bazel=False resolves //pkg:name to `python -m pkg.name`, see
 launch.targets); the executor itself is tested in launch/local_test.py.
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tools import launch as launch_tool
+from tools import launcher as launch_tool
 
 ECHO = "--experiment=launch/testdata/echo.gin"
 
