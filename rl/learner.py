@@ -145,6 +145,7 @@ class Learner:
         state, m = update(state, mb)
         per_mb.append(m)
       metrics = _finalise(per_mb, prep_metrics, objective)
+      metrics["input_tokens"] = jnp.sum(batch["segment_ids"] > 0).astype(jnp.float32)
       metrics["step"] = state.step
       metrics["policy_version"] = state.policy_version
       return state, metrics
@@ -156,12 +157,15 @@ class Learner:
     self.ref_params = jax.tree.map(jnp.copy, params_state)
 
   # -- data placement ------------------------------------------------------------------------
-  def place(self, batch: Mapping[str, np.ndarray]) -> dict:
-    """Global host batch -> arrays sharded over the batch axes (rows split across devices).
+  def place(self, batch: Mapping[str, np.ndarray], process_local: bool = False) -> dict:
+    """Host batch -> global arrays sharded over the batch axes (rows split across devices).
 
-    Every process passes the same global batch; each device receives only its rows.
+    With `process_local=False` every process passes the same global batch and each device takes
+    its rows. With `process_local=True` each process passes only its own rows (the global batch
+    is the processes' rows concatenated in process order), as hosts of a cluster would.
     """
-    rows = next(iter(batch.values())).shape[0]
+    local_rows = next(iter(batch.values())).shape[0]
+    rows = local_rows * (jax.process_count() if process_local else 1)
     n_shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
     need = n_shards * self.micro_batches * self.minibatches
     if rows % need:
@@ -172,18 +176,21 @@ class Learner:
     for name, arr in batch.items():
       arr = np.asarray(arr)
       sh = NamedSharding(self.mesh, sharding.batch_spec(arr.ndim))
-      out[name] = jax.make_array_from_callback(arr.shape, sh, lambda idx, a=arr: a[idx])
+      if process_local:
+        out[name] = jax.make_array_from_process_local_data(sh, arr)
+      else:
+        out[name] = jax.make_array_from_callback(arr.shape, sh, lambda idx, a=arr: a[idx])
     return out
 
   # -- training ------------------------------------------------------------------------------
-  def train_step(self, batch: Mapping[str, np.ndarray]) -> dict:
+  def train_step(self, batch: Mapping[str, np.ndarray], process_local: bool = False) -> dict:
     """One training step on a host batch; returns metrics as Python floats / numpy arrays.
 
     `tokens_per_s` counts every non-padding token processed (prompts included) over the wall
     time of the jitted step (the first call includes compilation); `tokens` counts trained ones.
     """
     self._check_batch(batch)
-    placed = self.place(batch)
+    placed = self.place(batch, process_local)
     t0 = time.perf_counter()
     with jax.set_mesh(self.mesh):
       self.state, metrics = self._step_fn(self.state, placed, self.ref_params)
@@ -191,8 +198,7 @@ class Learner:
     dt = time.perf_counter() - t0
     self.last_step_time = dt
     out = {k: (np.asarray(v) if np.ndim(v) else float(v)) for k, v in metrics.items()}
-    out["batch_tokens"] = float(np.sum(np.asarray(batch["segment_ids"]) > 0))
-    out["tokens_per_s"] = out["batch_tokens"] / dt
+    out["tokens_per_s"] = out["input_tokens"] / dt
     out["step_time_s"] = dt
     return out
 

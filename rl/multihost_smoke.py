@@ -3,7 +3,8 @@
 `python -m rl.multihost_smoke --num_processes 2 --process_id I --port P` (one command per
 process) initialises `jax.distributed` (CPU collectives over gloo on the CPU), builds one mesh over
 all processes' devices with the batch split across them, runs a few deterministic learner steps
-and prints the losses as JSON on the last line. With `--num_processes 1` it runs the same program
+and prints the losses as JSON on the last line. Even steps give every process the global batch,
+odd steps give each process only its own rows (`process_local`), so both placements are checked. With `--num_processes 1` it runs the same program
 in one process, which is how the multi-host path is checked on a single machine: the losses must
 agree. On a cluster the same entry point runs once per host.
 """
@@ -46,13 +47,19 @@ def smoke_batches(steps: int, rows: int, length: int, vocab: int, seed: int = 0)
            "loss_mask": np.ones((rows, length), np.int32)}
 
 
-def run(steps: int = 3, rows: int = 4, length: int = 8) -> list[float]:
+def run(steps: int = 4, rows: int = 4, length: int = 8) -> list[float]:
   devices = jax.devices()  # global: every process's devices
   mesh = sharding.make_mesh((len(devices), 1, 1, 1), devices)
   learner = Learner(SMOKE_CFG, mesh=mesh, opt_cfg=OptimizerConfig(learning_rate=1e-2),
                     micro_batches=2)
-  return [learner.train_step(b)["loss"]
-          for b in smoke_batches(steps, rows * len(devices), length, SMOKE_CFG.vocab_size)]
+  losses = []
+  n_proc, pid = jax.process_count(), jax.process_index()
+  for i, b in enumerate(smoke_batches(steps, rows * len(devices), length, SMOKE_CFG.vocab_size)):
+    if i % 2:  # odd steps: each process passes only its own rows
+      per = b["tokens"].shape[0] // n_proc
+      b = {k: v[pid * per:(pid + 1) * per] for k, v in b.items()}
+    losses.append(learner.train_step(b, process_local=bool(i % 2))["loss"])
+  return losses
 
 
 def main(argv=None) -> int:
@@ -60,7 +67,7 @@ def main(argv=None) -> int:
   p.add_argument("--num_processes", type=int, default=1)
   p.add_argument("--process_id", type=int, default=0)
   p.add_argument("--port", type=int, default=0)
-  p.add_argument("--steps", type=int, default=3)
+  p.add_argument("--steps", type=int, default=4)
   args = p.parse_args(argv)
   if args.num_processes > 1:
     initialize(f"127.0.0.1:{args.port}", args.num_processes, args.process_id)

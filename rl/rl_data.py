@@ -244,6 +244,8 @@ class _GroupIterator(grain.DatasetIterator):
       _log.warning("evicting incomplete group %s (%d attempts)", old_gid, len(old["entries"]))
 
   def _finish(self, gid: str, group: dict) -> None:
+    # Stale attempts were still scored against the same prompt, so their rewards count in the
+    # group baseline; they are not trained on. Rejected and infra-failed attempts count nowhere.
     scored = [e for e in group["entries"] if e[2] in ("ok", "stale")]
     ok = [e for e in group["entries"] if e[2] == "ok"]
     if len(ok) < self._cfg.min_group_size:
