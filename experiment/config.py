@@ -1,0 +1,109 @@
+"""Settings of an end-to-end experiment (plain dataclasses; gin binds them in tools/)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from moe.config import ModelConfig
+from pipeline.config import PipelineConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class PretrainConfig:
+  """Continual pre-training on the generated code corpus (next-token loss).
+
+  Attributes:
+    steps: optimizer steps (0 skips pre-training).
+    batch_rows / seq_len: rows of packed documents per step.
+    learning_rate / warmup_steps / end_lr_factor / weight_decay: AdamW with cosine decay.
+    corpus_snippets: extra generated snippets besides the train-split tasks' solutions.
+    corpus_repeats: copies of the train-split solutions in the corpus.
+    capacity_factor: expert capacity during pre-training (drops are harmless there and save
+      compute on the CPU); RL uses the model config's (dropless by default).
+  """
+  steps: int = 400
+  batch_rows: int = 32
+  seq_len: int = 128
+  learning_rate: float = 3e-3
+  warmup_steps: int = 30
+  end_lr_factor: float = 0.1
+  weight_decay: float = 0.01
+  corpus_snippets: int = 3000
+  corpus_repeats: int = 3
+  capacity_factor: Optional[float] = 2.0
+
+  def __post_init__(self):
+    if self.steps < 0 or self.batch_rows < 1 or self.seq_len < 8 or self.learning_rate <= 0:
+      raise ValueError("PretrainConfig: need steps >= 0, batch_rows >= 1, seq_len >= 8, lr > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+  """Asynchronous RL on the train split of the built-in programming tasks.
+
+  Attributes:
+    steps: learner steps (0 skips RL).
+    learning_rate: constant AdamW learning rate.
+    pipeline: rollout / staleness / batching settings.
+    num_samplers: in-process sampling engines.
+    sampler_slots: decode slots per engine.
+    replay: router replay ("on", "off", "proximal").
+    clip_eps: PPO clip range.
+    kl_coef: k3 KL penalty to the starting policy (0 disables it).
+  """
+  steps: int = 60
+  learning_rate: float = 1e-4
+  pipeline: PipelineConfig = PipelineConfig()
+  num_samplers: int = 1
+  sampler_slots: int = 64
+  replay: str = "on"
+  clip_eps: float = 0.2
+  kl_coef: float = 0.0
+
+  def __post_init__(self):
+    if self.steps < 0 or self.learning_rate <= 0 or self.num_samplers < 1:
+      raise ValueError("RLConfig: need steps >= 0, learning_rate > 0, num_samplers >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  """Held-out evaluation before and after RL.
+
+  Attributes:
+    samples: completions per task (pass@1 is estimated from all of them).
+    temperature: sampling temperature (the rollouts' temperature by default).
+    max_tokens: generation budget per completion.
+    k_list: pass@k values to report.
+  """
+  samples: int = 4
+  temperature: float = 1.0
+  max_tokens: int = 48
+  k_list: tuple = (1, 4)
+
+  def __post_init__(self):
+    if self.samples < 1 or any(k > self.samples or k < 1 for k in self.k_list):
+      raise ValueError(f"EvalConfig: every k in {self.k_list} must lie in [1, samples]")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+  """Everything the main job needs."""
+  model: ModelConfig
+  pretrain: PretrainConfig = PretrainConfig()
+  rl: RLConfig = RLConfig()
+  eval: EvalConfig = EvalConfig()
+  seed: int = 0
+  mesh_shape: tuple = (1, 1, 1, 1)
+  sandbox_pool: int = 4
+  train_tasks: Optional[int] = None    # use only the first N train tasks (None: all)
+  heldout_tasks: Optional[int] = None  # evaluate only the first N held-out tasks (None: all)
+
+  def __post_init__(self):
+    if len(self.mesh_shape) != 4 or any(int(s) < 1 for s in self.mesh_shape):
+      raise ValueError(f"mesh_shape must be four positive sizes (data, fsdp, expert, tensor), "
+                       f"got {self.mesh_shape}")
+    longest = self.rl.pipeline.seq_len
+    if longest > self.model.max_seq_len:
+      raise ValueError(f"rl.pipeline.seq_len ({longest}) exceeds the model's max_seq_len "
+                       f"({self.model.max_seq_len})")

@@ -1,0 +1,198 @@
+"""The main job, end to end: pre-train the MoE on a generated code corpus, evaluate it on the
+held-out programming tasks, improve it with asynchronous RL on the train split, evaluate again.
+
+Library code (plain arguments); `tools/main.py` is the gin-configured entry point. Nothing here is
+tuned on the held-out split: it is only ever evaluated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from typing import Callable, Optional
+
+import numpy as np
+
+from envs import pool as pool_lib
+from envs import suite_pyfunc
+from evaluation import evaluate as evaluate_lib
+from experiment import reporting
+from experiment.config import ExperimentConfig
+from moe import sharding
+from pipeline import local
+from rl import pretrain_data
+from rl.learner import Learner
+from rl.objectives import PolicyLossConfig
+from rl.train_state import OptimizerConfig
+from rl.train_step import LossConfig
+from rl.trainer import Trainer
+from rollout.engine import EngineConfig
+
+log = logging.getLogger(__name__)
+
+
+def write_corpus(docs: list, directory: str) -> list:
+  """One file per document (each becomes BOS + text + EOS in the pre-training pipeline)."""
+  os.makedirs(directory, exist_ok=True)
+  paths = []
+  for i, d in enumerate(docs):
+    p = os.path.join(directory, f"doc_{i:06d}.py")
+    with open(p, "w", encoding="utf-8") as f:
+      f.write(d)
+    paths.append(p)
+  return paths
+
+
+def _engine_config(cfg: ExperimentConfig, slots: int) -> EngineConfig:
+  return EngineConfig(max_slots=slots, max_len=cfg.model.max_seq_len, decode_steps=16)
+
+
+def _eval(model, tasks, cfg: ExperimentConfig, pool, out_path: str, progress=None):
+  e = cfg.eval
+  report = evaluate_lib.evaluate(
+      model, tasks, n=e.samples, k_list=e.k_list, temperature=e.temperature,
+      max_tokens=e.max_tokens, seed=cfg.seed + 17, pool=pool, out_path=out_path,
+      engine_config=_engine_config(cfg, 64), progress=progress)
+  passed = sum(r.c for r in report.results)
+  total = sum(r.n for r in report.results)
+  return report, passed, total
+
+
+def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
+        echo: Callable[[str], None] = print) -> dict:
+  """Runs the experiment; returns the summary (also written to run_dir/summary.json)."""
+  t_start = time.time()
+  os.makedirs(run_dir, exist_ok=True)
+  with open(os.path.join(run_dir, "config.json"), "w", encoding="utf-8") as f:
+    json.dump(dataclasses.asdict(cfg), f, indent=1, default=str)
+  rep = reporting.Reporter(run_dir, progress=progress)
+  all_tasks = suite_pyfunc.generate()
+  train = suite_pyfunc.split(all_tasks, "train")[:cfg.train_tasks]
+  heldout = suite_pyfunc.split(all_tasks, "test")[:cfg.heldout_tasks]
+  mesh = sharding.make_mesh(cfg.mesh_shape)
+  pool = pool_lib.WarmPool(size=cfg.sandbox_pool)
+  timings = {}
+  try:
+    # -- 1. continual pre-training on code -------------------------------------------------
+    t0 = time.time()
+    pre_cfg = cfg.model.replace(capacity_factor=cfg.pretrain.capacity_factor)
+    p = cfg.pretrain
+    pre = Learner(
+        pre_cfg, mesh=mesh, seed=cfg.seed,
+        opt_cfg=OptimizerConfig(learning_rate=p.learning_rate, schedule="cosine",
+                                warmup_steps=p.warmup_steps, decay_steps=max(p.steps, 1),
+                                end_lr_factor=p.end_lr_factor, weight_decay=p.weight_decay),
+        loss_cfg=LossConfig(objective="next_token"))
+    if p.steps:
+      docs = suite_pyfunc.pretraining_corpus(all_tasks, n_snippets=p.corpus_snippets,
+                                             repeats=p.corpus_repeats, seed=cfg.seed)
+      files = write_corpus(docs, os.path.join(run_dir, "corpus"))
+      trainer = Trainer(pre, pretrain_data.pretrain_dataset(
+          files, seq_len=p.seq_len, batch_rows=p.batch_rows, seed=cfg.seed))
+      rep.start_phase("pretrain", p.steps)
+      for _ in range(p.steps):
+        m = trainer.step()
+        rep.log("pretrain", pre.step, m)
+      rep.end_phase()
+      echo(f"pre-training: {p.steps} steps on {len(docs)} documents in {time.time() - t0:.0f}s, "
+           f"final loss {m['loss']:.3f}")
+    timings["pretrain_s"] = time.time() - t0
+    model = pre.model()
+
+    # -- 2. held-out evaluation before RL ------------------------------------------------------
+    t0 = time.time()
+    before, b_pass, b_total = _eval(model, heldout, cfg, pool,
+                                    os.path.join(run_dir, "eval_before.jsonl"))
+    rep.log("eval", 0, {"pass1": b_pass / b_total, "passed": b_pass, "samples": b_total,
+                        **{f"pass@{k}": v for k, v in before.pass_at_k.items() if v is not None}},
+            advance=0)
+    echo(f"held-out before RL: {b_pass}/{b_total} samples pass "
+         f"({len(heldout)} tasks x {cfg.eval.samples}), solved {before.solved}/{len(heldout)}")
+    timings["eval_before_s"] = time.time() - t0
+
+    # -- 3. asynchronous RL on the train split ---------------------------------------------------
+    t0 = time.time()
+    r = cfg.rl
+    rl_learner = Learner(
+        cfg.model, mesh=mesh, seed=cfg.seed, init_model=model, sampler_dtype="float32",
+        opt_cfg=OptimizerConfig(learning_rate=r.learning_rate),
+        loss_cfg=LossConfig(objective="policy", replay=r.replay,
+                            max_staleness=r.pipeline.max_staleness,
+                            policy=PolicyLossConfig(clip_eps_low=r.clip_eps,
+                                                    clip_eps_high=r.clip_eps,
+                                                    kl_coef=r.kl_coef)))
+    step_groups: dict = {}
+
+    def on_group(g):
+      step_groups.setdefault(g.step, []).append(g)
+
+    def on_step(step, metrics, info):
+      groups = step_groups.pop(step - 1, [])
+      rewards = [x for g in groups for x in g.rewards if x is not None]
+      passed = [x for g in groups for x in g.passed]
+      out = dict(metrics)
+      out.update(reward=float(np.mean(rewards)) if rewards else 0.0,
+                 pass_rate=float(np.mean(passed)) if passed else 0.0,
+                 staleness_mean=info["mean_lag"], staleness_max=info["max_lag"],
+                 trained_episodes=info["trained_episodes"], learner_wait_s=info["wait_s"],
+                 gen_tokens=sum(g.gen_tokens for g in groups),
+                 infra_failures=sum(g.infra_failures for g in groups))
+      rep.log("rl", step, out)
+
+    if r.steps:
+      rep.start_phase("rl", r.steps)
+      result = local.run(
+          learner=rl_learner, tasks=train, pool=pool, workdir=os.path.join(run_dir, "rl"),
+          config=r.pipeline, num_steps=r.steps, num_samplers=r.num_samplers,
+          engine_config=_engine_config(cfg, r.sampler_slots), on_step=on_step,
+          on_group=on_group)
+      rep.end_phase()
+      rl_learner = result.learner
+      echo(f"RL: {result.steps} steps, {result.groups} groups in {result.wall_s:.0f}s "
+           f"(learner waited {result.learner_wait_s:.0f}s, trained {result.learner_train_s:.0f}s)")
+    timings["rl_s"] = time.time() - t0
+
+    # -- 4. held-out evaluation after RL ------------------------------------------------------
+    t0 = time.time()
+    after, a_pass, a_total = _eval(rl_learner.model(), heldout, cfg, pool,
+                                   os.path.join(run_dir, "eval_after.jsonl"))
+    rep.log("eval", max(r.steps, 1), {
+        "pass1": a_pass / a_total, "passed": a_pass, "samples": a_total,
+        **{f"pass@{k}": v for k, v in after.pass_at_k.items() if v is not None}}, advance=0)
+    timings["eval_after_s"] = time.time() - t0
+  finally:
+    pool.close()
+    rep.close()
+  plots = reporting.make_plots(run_dir)
+  summary = {
+      "heldout_tasks": len(heldout), "train_tasks": len(train),
+      "samples_per_task": cfg.eval.samples,
+      "before": {"passed": b_pass, "samples": b_total, "pass_at_k": before.pass_at_k,
+                 "solved": before.solved},
+      "after": {"passed": a_pass, "samples": a_total, "pass_at_k": after.pass_at_k,
+                "solved": after.solved},
+      "timings_s": {k: round(v, 1) for k, v in timings.items()},
+      "total_s": round(time.time() - t_start, 1),
+      "plots": [os.path.basename(x) for x in plots],
+  }
+  with open(os.path.join(run_dir, "summary.json"), "w", encoding="utf-8") as f:
+    json.dump(summary, f, indent=1, default=str)
+  rows = [("held-out tasks", f"{len(heldout)} ({cfg.eval.samples} samples each, "
+                             f"temperature {cfg.eval.temperature})"),
+          ("pass@1 before RL", f"{b_pass}/{b_total} = {b_pass / b_total:.3f}"),
+          ("pass@1 after RL", f"{a_pass}/{a_total} = {a_pass / a_total:.3f}"),
+          ("solved before / after", f"{before.solved} / {after.solved} of {len(heldout)}")]
+  rows += [(k.replace("_s", " (s)"), f"{v:.0f}") for k, v in timings.items()]
+  rows += [("run directory", run_dir)]
+  echo(reporting.summary_table(rows))
+  return summary
+
+
+def final_line(summary: dict) -> str:
+  """The main job's last line of output."""
+  b, a = summary["before"], summary["after"]
+  return (f"held-out pass@1: before {b['passed']}/{b['samples']} -> "
+          f"after {a['passed']}/{a['samples']}")
