@@ -51,8 +51,8 @@ def _own_rollouts(learner, rows=4, length=8, seed=0):
   }
 
 
-def _policy_learner(decoupled, mesh, aux_loss=True, **kw):
-  loss = LossConfig(objective="policy", replay="on", aux_loss=aux_loss,
+def _policy_learner(decoupled, mesh, aux_loss=True, replay="on", **kw):
+  loss = LossConfig(objective="policy", replay=replay, aux_loss=aux_loss,
                     policy=PolicyLossConfig(decoupled=decoupled, is_mode="truncate"))
   return Learner(CFG, mesh=mesh, loss_cfg=loss, opt_cfg=OptimizerConfig(learning_rate=1e-2),
                  **kw)
@@ -60,8 +60,9 @@ def _policy_learner(decoupled, mesh, aux_loss=True, **kw):
 
 def test_in_sync_sampler_gives_unit_weights_and_plain_ppo():
   mesh = sharding.make_mesh((1, 1, 1, 1))
-  dec = _policy_learner(True, mesh)
-  plain = _policy_learner(False, mesh)
+  dec = _policy_learner(True, mesh, replay="on")
+  # Replaying the routing the learner itself would choose must equal not replaying at all.
+  plain = _policy_learner(False, mesh, replay="off")
   batch = _own_rollouts(dec)
   md = dec.train_step(batch)
   mp = plain.train_step(batch)
@@ -70,6 +71,7 @@ def test_in_sync_sampler_gives_unit_weights_and_plain_ppo():
   assert md["frac_truncated"] == 0.0 and md["frac_clipped"] == 0.0
   assert abs(md["sampler_kl"]) < 1e-6
   np.testing.assert_allclose(md["loss"], mp["loss"], **CLOSE)
+  assert mp["routing_agreement"] == 1.0 and "routing_agreement" not in md
   wd, wp = params.flatten(dec.model()), params.flatten(plain.model())
   for k in wd:
     np.testing.assert_allclose(wd[k], wp[k], **CLOSE)
