@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Any, Mapping, Optional, Sequence
 
 import gin
@@ -77,7 +78,7 @@ def launch_main(executor: str = "local", root_dir: str = "/tmp/launch", use_baze
         print(f"  {j.name}: {what} {' '.join(j.argv_args)}")
     return 0
   if executor == "xm":
-    exp_dir = os.path.join(root_dir, exp.name + "-xm")
+    exp_dir = os.path.join(root_dir, f"{exp.name}-xm-{time.strftime('%Y%m%d-%H%M%S')}")
     xm_adapter.launch(exp, exp_dir, bazel_args=bazel_args)
     print(f"launched {len(exp.work_units)} work unit(s) with xm_local; jobs.json under {exp_dir}")
     return 0
