@@ -20,7 +20,11 @@ def test_synthetic_rows_hit_their_fractions_and_beat_xor():
   assert rows[1].changed == pytest.approx(0.25, rel=0.15)
   for r in rows:
     assert r.ratio > 1.5 * r.xor_ratio and r.encode_GBps > 0 and r.memcpy_GBps > 0
-  assert "| synthetic bf16, 4% target |" in bench.markdown(rows)
+    assert r.apply_GBps > 0 and r.decode_fresh_GBps > 0 and r.memcpy_fresh_GBps > 0
+    assert r.apply_vs_memcpy == r.apply_GBps / r.memcpy_GBps
+  assert rows[0].kinds == {"sparse": sum(rows[0].kinds.values())}
+  table = bench.markdown(rows)
+  assert "| synthetic bf16, 4% target |" in table and "apply / memcpy" in table
   report = bench.terabyte_report(rows[0])
   assert set(report) == {"full shard swap", "delta scatter on device"}
   assert all(v["end_to_end_s"] > 0 for v in report.values())
@@ -54,6 +58,7 @@ def test_command_line_entry_point(tmp_path):
                           "--json", str(out)]) == 0
   report = json.loads(out.read_text())
   assert report["rows"][0]["ratio"] > 20 and "terabyte" in report
+  assert report["rows"][0]["apply_vs_memcpy"] > 0
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ path; the trailer rejects truncation and proves the result is version `digest`.
 
 from collections.abc import Mapping
 import concurrent.futures
+import contextlib
 import dataclasses
 import io
 import json
@@ -97,6 +98,22 @@ def _ordered(pool, fn, items, window):
       yield pending.pop(0).result()
   for f in pending:
     yield f.result()
+
+
+def _map_all(pool, fn, items, w):
+  """fn over every item in `w` strided batches, results in order.
+
+  One hand-off per worker rather than per chunk: on a loaded machine every thread wake-up can
+  wait for a scheduler slice, which cost ~20% of an in-place apply when tasks were chunks.
+  """
+  items = list(items)
+  if pool is None or w <= 1 or len(items) <= 1:
+    return [fn(x) for x in items]
+  parts = list(pool.map(lambda i: [fn(x) for x in items[i::w]], range(w)))
+  out = [None] * len(items)
+  for i, part in enumerate(parts):
+    out[i::w] = part
+  return out
 
 
 def _header_bytes(tensors, chunk_elems) -> bytes:
@@ -466,12 +483,12 @@ def apply_inplace(base: Mapping[str, np.ndarray], source, *, workers=None,
     return outw[ti][start:min(outw[ti].size, start + chunk_elems)]
 
   local = _Local(1)
-  w = _workers(workers)
-  with concurrent.futures.ThreadPoolExecutor(w) as pool:
+  w = min(_workers(workers), len(recs))
+  with (concurrent.futures.ThreadPoolExecutor(w) if w > 1 else contextlib.nullcontext()) as pool:
     if verify_base:
       def base_ok(rec):
         return raw_t[rec[0]] or weights.chunk_hash(view(rec)) == rec[4]
-      bad = [r for r, ok in zip(recs, pool.map(base_ok, recs)) if not ok]
+      bad = [r for r, ok in zip(recs, _map_all(pool, base_ok, recs, w)) if not ok]
       if bad:
         raise DeltaError(f"base does not match the delta's parent at tensor "
                          f"{tensors[bad[0][0]][0]!r} chunk {bad[0][1]}")
@@ -491,7 +508,7 @@ def apply_inplace(base: Mapping[str, np.ndarray], source, *, workers=None,
         return True, f"rebuilt chunk hash mismatch at tensor {tensors[ti][0]!r} chunk {ci}"
       return True, None
 
-    results = list(pool.map(work, recs))
+    results = _map_all(pool, work, recs, w)
     errors = [e for _, e in results if e]
     if errors:
       def undo(rec):
@@ -502,8 +519,7 @@ def apply_inplace(base: Mapping[str, np.ndarray], source, *, workers=None,
         changes = codec.decode_changes(kind, payload, o.size, o.dtype, local.dctx)
         codec.apply_changes(kind, changes, o, undo=True)
         return weights.chunk_hash(o) == bh
-      # list() first: all() would stop early and the pool would cancel the remaining undos.
-      restored = list(pool.map(undo, [r for r, (done, _) in zip(recs, results) if done]))
+      restored = _map_all(pool, undo, [r for r, (done, _) in zip(recs, results) if done], w)
       base_matches = all(restored)
       if not base_matches:
         raise DeltaError("base does not match the delta's parent (foreign or out-of-order "

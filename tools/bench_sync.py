@@ -1,9 +1,17 @@
 """Benchmark of weight-sync delta compression, and the 1 TB fan-out estimate.
 
-Run (64M bf16 parameters, changed fractions 1%/4%/25%, < 2 minutes on 2 cores):
+Every row compares, in the same run and on the same buffers (medians of --repeats interleaved
+repeats): our codec vs plain XOR+zstd (ratio, encode, decode), and our in-place apply (what a
+sampler's `Subscriber(inplace=True)` does) vs memcpy of the new weights into those same
+buffers; `delta.decode` into new arrays vs `np.copy` into new arrays is reported beside it.
+
+Synthetic RL-like updates (64M bf16 parameters, changed fractions 1%/4%/25%, minutes on 2 cores):
   .venv/bin/python -m tools.bench_sync
   bazel run //tools:bench_sync -- --size 16000000
-Real learner steps (orbax checkpoint directories or .npz, cast to the sampler's bf16):
+Real consecutive versions from the learner's own training steps (rl.learner.Learner on the
+tiny preset, next-token loss on random tokens, AdamW at each learning rate; bf16 sampler copies):
+  .venv/bin/python -m tools.bench_sync --learner_steps 6 --learner_lrs 1e-6,1e-5,1e-4,3e-4
+Two checkpoints (orbax directories or .npz, cast to the sampler's bf16):
   .venv/bin/python -m tools.bench_sync --from_checkpoints CKPT_STEP_N CKPT_STEP_N+1
 """
 
@@ -12,8 +20,35 @@ import json
 import sys
 
 import ml_dtypes
+import numpy as np
 
 from sync import bench
+
+
+def learner_rows(gin_files, lrs, steps: int, repeats: int, workers=None, rows: int = 4,
+                 seq_len: int = 32, bindings=()):
+  """Rows for consecutive learner versions at each learning rate, and a per-lr summary."""
+  from sync import train_deltas  # pylint: disable=g-import-not-at-top  (JAX only here)
+  from tools import configs  # pylint: disable=g-import-not-at-top
+  configs.parse(gin_files, bindings)
+  cfg = configs.model_config()
+  out, summary = [], []
+  for lr in lrs:
+    prev = None
+    pairs = []
+    for version, flat, loss in train_deltas.learner_versions(
+        cfg, steps=steps, learning_rate=lr, rows=rows, seq_len=seq_len):
+      if prev is not None:
+        r = bench.measure(prev[1], flat, f"learner lr={lr:g} v{prev[0]}->v{version}",
+                          repeats, workers)
+        pairs.append(r)
+        print(bench.markdown([r]).splitlines()[-1], flush=True)
+      prev = (version, flat)
+    out.extend(pairs)
+    summary.append({"lr": lr, "params": pairs[0].params,
+                    "changed": [r.changed for r in pairs], "ratio": [r.ratio for r in pairs],
+                    "xor_ratio": [r.xor_ratio for r in pairs]})
+  return out, summary
 
 
 def main(argv=None) -> int:
@@ -21,18 +56,32 @@ def main(argv=None) -> int:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--size", type=int, default=64 << 20, help="parameters (synthetic)")
   p.add_argument("--fractions", default="0.01,0.04,0.25")
-  p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--workers", type=int, default=None)
   p.add_argument("--from_checkpoints", nargs=2, metavar=("BASE", "NEW"))
   p.add_argument("--keep_dtype", action="store_true",
                  help="with --from_checkpoints: do not cast floating tensors to bf16")
+  p.add_argument("--learner_steps", type=int, default=0,
+                 help="train the learner this many steps per learning rate and measure "
+                      "consecutive versions (instead of synthetic updates)")
+  p.add_argument("--learner_lrs", default="1e-6,1e-5,1e-4,3e-4")
+  p.add_argument("--gin", action="append", default=[],
+                 help="model gin file(s) for --learner_steps (default moe/configs/tiny.gin)")
+  p.add_argument("--binding", action="append", default=[],
+                 help="extra gin bindings for --learner_steps, e.g. ModelConfig.hidden_size=256")
   p.add_argument("--no_sim", action="store_true")
   p.add_argument("--json", help="also write the rows and the simulation here")
   args = p.parse_args(argv)
+  report = {}
   if args.from_checkpoints:
     rows = [bench.from_checkpoints(*args.from_checkpoints,
                                    dtype=None if args.keep_dtype else ml_dtypes.bfloat16,
                                    repeats=args.repeats, workers=args.workers)]
+  elif args.learner_steps:
+    rows, report["learner"] = learner_rows(
+        args.gin or ["moe/configs/tiny.gin"],
+        [float(x) for x in args.learner_lrs.split(",")], args.learner_steps, args.repeats,
+        args.workers, bindings=args.binding)
   else:
     fr = [float(f) for f in args.fractions.split(",")]
     rows = []
@@ -41,7 +90,15 @@ def main(argv=None) -> int:
       print(bench.markdown(rows[-1:]).splitlines()[-1], flush=True)
   print()
   print(bench.markdown(rows))
-  report = {"rows": [r.__dict__ for r in rows]}
+  print(f"(medians of {args.repeats} interleaved repeats, {rows[0].workers} worker threads; "
+        "'apply / memcpy' = delta.apply_inplace vs np.copyto of the new weights into the same "
+        "held buffers)")
+  for s in report.get("learner", []):
+    print(f"learner lr={s['lr']:g} ({s['params']} params): changed "
+          f"{np.median(s['changed']):.2%} (range {min(s['changed']):.2%}-"
+          f"{max(s['changed']):.2%}), ratio median {np.median(s['ratio']):.1f}x vs XOR+zstd "
+          f"{np.median(s['xor_ratio']):.1f}x")
+  report["rows"] = [dict(r.__dict__, apply_vs_memcpy=r.apply_vs_memcpy) for r in rows]
   if not args.no_sim:
     row = min(rows, key=lambda r: abs(r.changed - 0.04))
     report["terabyte"] = bench.terabyte_report(row)
