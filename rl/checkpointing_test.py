@@ -63,6 +63,11 @@ def test_save_2x4_restore_8x1(tmp_path):
   want = params.flatten(learner.model())
   for k, v in params.flatten(served).items():
     np.testing.assert_array_equal(v, want[k])
+  # A new phase (e.g. RL after pre-training) starts from those weights with a fresh optimizer.
+  rl_learner = Learner(CFG, mesh=mesh_a, init_model=served)
+  assert rl_learner.step == 0
+  for k, v in params.flatten(rl_learner.model()).items():
+    np.testing.assert_array_equal(v, want[k])
   mgr.close()
 
 

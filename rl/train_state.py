@@ -148,5 +148,8 @@ def from_model(model: MoEDecoder, tx: optax.GradientTransformation, mesh: Mesh):
     return TrainState(params=params, rest=rest, opt_state=tx.init(params),
                       step=jnp.zeros((), jnp.int32), policy_version=jnp.zeros((), jnp.int32))
 
+  # The model may live anywhere (one device, another mesh): lay its arrays out on `mesh` first.
+  params = jax.device_put(params, shardings.params)
+  rest = jax.device_put(rest, shardings.rest)
   state = jax.jit(init, out_shardings=shardings)(params, rest)
   return graphdef, state, shardings
