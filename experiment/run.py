@@ -15,12 +15,15 @@ import time
 from typing import Callable, Optional
 
 import numpy as np
+from flax import nnx
 
 from envs import pool as pool_lib
 from envs import suite_pyfunc
 from evaluation import evaluate as evaluate_lib
 from experiment import reporting
 from experiment.config import ExperimentConfig
+from moe import build
+from moe import checkpoint as moe_checkpoint
 from moe import sharding
 from pipeline import local
 from rl import pretrain_data
@@ -61,6 +64,39 @@ def _eval(model, tasks, cfg: ExperimentConfig, pool, out_path: str, progress=Non
   return report, passed, total
 
 
+def pretrain(cfg: ExperimentConfig, run_dir: str, all_tasks, mesh, *,
+             rep: Optional[reporting.Reporter] = None,
+             echo: Callable[[str], None] = print):
+  """Continual pre-training on the generated corpus; returns the model (fresh if steps == 0)."""
+  t0 = time.time()
+  pre_cfg = cfg.model.replace(capacity_factor=cfg.pretrain.capacity_factor)
+  p = cfg.pretrain
+  pre = Learner(
+      pre_cfg, mesh=mesh, seed=cfg.seed,
+      opt_cfg=OptimizerConfig(learning_rate=p.learning_rate, schedule="cosine",
+                              warmup_steps=p.warmup_steps, decay_steps=max(p.steps, 1),
+                              end_lr_factor=p.end_lr_factor, weight_decay=p.weight_decay),
+      loss_cfg=LossConfig(objective="next_token"))
+  if p.steps:
+    docs = suite_pyfunc.pretraining_corpus(all_tasks, n_snippets=p.corpus_snippets,
+                                           repeats=p.corpus_repeats, seed=cfg.seed)
+    files = write_corpus(docs, os.path.join(run_dir, "corpus"))
+    trainer = Trainer(pre, pretrain_data.pretrain_dataset(
+        files, seq_len=p.seq_len, batch_rows=p.batch_rows, seed=cfg.seed))
+    if rep is not None:
+      rep.start_phase("pretrain", p.steps)
+    for _ in range(p.steps):
+      m = trainer.step()
+      if rep is not None:
+        rep.log("pretrain", pre.step, m)
+    if rep is not None:
+      rep.end_phase()
+    echo(f"pre-training: {p.steps} steps on {len(docs)} documents in {time.time() - t0:.0f}s, "
+         f"final loss {m['loss']:.3f}")
+  # The RL model is dropless (the config's capacity), the pre-training one may drop: same weights.
+  return nnx.merge(nnx.graphdef(build.abstract(cfg.model)), nnx.state(pre.model()))
+
+
 def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
         echo: Callable[[str], None] = print) -> dict:
   """Runs the experiment; returns the summary (also written to run_dir/summary.json)."""
@@ -78,29 +114,9 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
   try:
     # -- 1. continual pre-training on code -------------------------------------------------
     t0 = time.time()
-    pre_cfg = cfg.model.replace(capacity_factor=cfg.pretrain.capacity_factor)
-    p = cfg.pretrain
-    pre = Learner(
-        pre_cfg, mesh=mesh, seed=cfg.seed,
-        opt_cfg=OptimizerConfig(learning_rate=p.learning_rate, schedule="cosine",
-                                warmup_steps=p.warmup_steps, decay_steps=max(p.steps, 1),
-                                end_lr_factor=p.end_lr_factor, weight_decay=p.weight_decay),
-        loss_cfg=LossConfig(objective="next_token"))
-    if p.steps:
-      docs = suite_pyfunc.pretraining_corpus(all_tasks, n_snippets=p.corpus_snippets,
-                                             repeats=p.corpus_repeats, seed=cfg.seed)
-      files = write_corpus(docs, os.path.join(run_dir, "corpus"))
-      trainer = Trainer(pre, pretrain_data.pretrain_dataset(
-          files, seq_len=p.seq_len, batch_rows=p.batch_rows, seed=cfg.seed))
-      rep.start_phase("pretrain", p.steps)
-      for _ in range(p.steps):
-        m = trainer.step()
-        rep.log("pretrain", pre.step, m)
-      rep.end_phase()
-      echo(f"pre-training: {p.steps} steps on {len(docs)} documents in {time.time() - t0:.0f}s, "
-           f"final loss {m['loss']:.3f}")
+    model = pretrain(cfg, run_dir, all_tasks, mesh, rep=rep, echo=echo)
     timings["pretrain_s"] = time.time() - t0
-    model = pre.model()
+    moe_checkpoint.save_params(model, os.path.join(run_dir, "pretrained_model"))
 
     # -- 2. held-out evaluation before RL ------------------------------------------------------
     t0 = time.time()
@@ -163,6 +179,7 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
         "pass1": a_pass / a_total, "passed": a_pass, "samples": a_total,
         **{f"pass@{k}": v for k, v in after.pass_at_k.items() if v is not None}}, advance=0)
     timings["eval_after_s"] = time.time() - t0
+    moe_checkpoint.save_params(rl_learner.model(), os.path.join(run_dir, "final_model"))
   finally:
     pool.close()
     rep.close()

@@ -36,7 +36,7 @@ def test_tiny_experiment_end_to_end(tmp_path):
   files = set(os.listdir(tmp_path))
   for want in ("metrics.jsonl", "summary.json", "config.json", "eval_before.jsonl",
                "eval_after.jsonl", "tensorboard", "reward.png", "heldout_pass_rate.png",
-               "pretrain_loss.png"):
+               "pretrain_loss.png", "pretrained_model", "final_model"):
     assert want in files, want
   phases = [json.loads(l)["phase"] for l in open(tmp_path / "metrics.jsonl")]
   assert phases.count("pretrain") == 3 and phases.count("rl") == 2 and phases.count("eval") == 2
