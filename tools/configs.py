@@ -1,43 +1,114 @@
-"""gin at the edge: registers the library's config classes and parses experiment files.
+"""gin at the edge: registers the library's config classes, parses and validates experiments.
 
-Library packages never import gin. Entry points in tools/ call `parse(...)` and then construct
-configs (e.g. `ModelConfig()`), which picks up the bindings of the parsed files.
+Library packages never import gin. This module registers their plain dataclasses as external
+configurables, so gin files can write `PipelineConfig.max_staleness = 2` or
+`RLConfig.pipeline = @PipelineConfig()`, and entry points call `load_experiment(...)` (the main
+job, the resource planner) or `parse(...)` + `model_config()` (tools that only need a model).
+
+Gin files come in tiers (t5x style):
+  moe/configs/*.gin                    model sizes: `ModelConfig.*` only.
+  tools/configs/runs/*.gin             run types (pretrain, rl, eval, serve): bind their phase's
+                                       config into `ExperimentConfig` and mark what an experiment
+                                       must set with `%gin.REQUIRED`.
+  tools/configs/experiments/*.gin      experiments: include one size and the run types, set the
+                                       numbers. Files named `*_plan.gin` describe real-size runs
+                                       that are only validated and planned (//tools:plan).
+
+The phases of an experiment are the run files it includes: `ExperimentConfig.pretrain` /
+`ExperimentConfig.rl` left unbound means that phase is skipped (steps = 0). Evaluation has no off
+switch and falls back to `EvalConfig()` defaults without runs/eval.gin.
+
+`load_experiment` turns every way a config can be wrong into a `ConfigError` before any work
+starts: unknown configurables or parameters, `%gin.REQUIRED` values left unset, bindings that
+nothing uses (e.g. `RLConfig.steps` without a run file that binds `ExperimentConfig.rl`), a mesh
+the devices or the model cannot take, and the dataclasses' own `__post_init__` checks.
 """
 
 from __future__ import annotations
 
+import math
 import os
-from typing import Sequence
+from typing import Optional, Sequence
 
 import gin
+from gin import config as gin_config
 
+from experiment.config import EvalConfig, ExperimentConfig, PretrainConfig, RLConfig
 from moe.config import ModelConfig
+from moe.sharding import MESH_AXES
+from pipeline.config import PipelineConfig
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXPERIMENTS_DIR = os.path.join(REPO_ROOT, "tools", "configs", "experiments")
+RUNS_DIR = os.path.join(REPO_ROOT, "tools", "configs", "runs")
+MODEL_SIZES_DIR = os.path.join(REPO_ROOT, "moe", "configs")
 
-# The gin-wrapped constructor: calling it applies the parsed bindings.
+# The gin-wrapped constructors: calling one applies the parsed bindings. Instances are of the
+# plain library classes (gin wraps the constructor, not the type).
 GinModelConfig = gin.external_configurable(ModelConfig, module="moe")
+GinPipelineConfig = gin.external_configurable(PipelineConfig, module="pipeline")
+GinPretrainConfig = gin.external_configurable(PretrainConfig, module="experiment")
+GinRLConfig = gin.external_configurable(RLConfig, module="experiment")
+GinEvalConfig = gin.external_configurable(EvalConfig, module="experiment")
+GinExperimentConfig = gin.external_configurable(ExperimentConfig, module="experiment")
+
+# Configurable name -> full gin selector, for the ones this module registers.
+CONFIGURABLES = {
+    "ModelConfig": "moe.ModelConfig",
+    "PipelineConfig": "pipeline.PipelineConfig",
+    "PretrainConfig": "experiment.PretrainConfig",
+    "RLConfig": "experiment.RLConfig",
+    "EvalConfig": "experiment.EvalConfig",
+    "ExperimentConfig": "experiment.ExperimentConfig",
+}
 
 
 class ConfigError(ValueError):
   """A gin file or binding is unknown, malformed or inconsistent."""
 
 
+def resolve_path(path: str) -> str:
+  """A gin file's path: absolute, else relative to the cwd, the Bazel workspace or the repo."""
+  if os.path.isabs(path) or os.path.exists(path):
+    return path
+  for root in (os.environ.get("BUILD_WORKSPACE_DIRECTORY"), REPO_ROOT):
+    if root and os.path.exists(os.path.join(root, path)):
+      return os.path.join(root, path)
+  raise ConfigError(f"gin file not found: {path}")
+
+
+def is_plan_experiment(path: str) -> bool:
+  """Whether an experiment file describes a real-size run that is only planned (`*_plan.gin`)."""
+  return os.path.basename(path).endswith("_plan.gin")
+
+
+def experiment_files() -> list[str]:
+  """Every experiment file under tools/configs/experiments/, sorted."""
+  return sorted(os.path.join(EXPERIMENTS_DIR, f) for f in os.listdir(EXPERIMENTS_DIR)
+                if f.endswith(".gin"))
+
+
 def parse(gin_files: Sequence[str] = (), bindings: Sequence[str] = (), *,
           finalize: bool = True) -> None:
-  """Clears gin and parses `gin_files` (paths relative to the repo root work) then `bindings`."""
+  """Clears gin and parses `gin_files` (paths relative to the repo root work) then `bindings`.
+
+  With `finalize`, a `%gin.REQUIRED` value that no later binding overrides is an error here.
+  """
   gin.clear_config()
-  paths = []
-  for f in gin_files:
-    p = f if os.path.isabs(f) or os.path.exists(f) else os.path.join(REPO_ROOT, f)
-    if not os.path.exists(p):
-      raise ConfigError(f"gin file not found: {f}")
-    paths.append(p)
-  gin.add_config_file_search_path(REPO_ROOT)
+  paths = [resolve_path(f) for f in gin_files]
+  for root in (os.environ.get("BUILD_WORKSPACE_DIRECTORY"), REPO_ROOT):
+    if root:
+      gin.add_config_file_search_path(root)
   try:
     gin.parse_config_files_and_bindings(paths, list(bindings), finalize_config=finalize)
-  except (ValueError, KeyError, SyntaxError, TypeError) as e:
-    raise ConfigError(f"bad gin config: {e}") from e
+  except (ValueError, KeyError, SyntaxError, TypeError, NameError, IOError) as e:
+    msg = str(e)
+    if "No configurable matching" in msg:
+      msg += f"\n  configurables the main job knows: {', '.join(CONFIGURABLES)}"
+    if "%gin.REQUIRED" in msg:
+      msg += ("\n  set it in the experiment file (after the include) or on the command line "
+              "(--gin.NAME=VALUE)")
+    raise ConfigError(f"bad gin config: {msg}") from e
 
 
 def model_config() -> ModelConfig:
@@ -46,3 +117,140 @@ def model_config() -> ModelConfig:
     return GinModelConfig()
   except (ValueError, TypeError) as e:
     raise ConfigError(str(e)) from e
+
+
+def validate_mesh(model: ModelConfig, mesh_shape: Sequence[int],
+                  num_devices: Optional[int] = None) -> None:
+  """Raises ConfigError unless `model` can be laid out on a (data, fsdp, expert, tensor) mesh.
+
+  Args:
+    model: the model to shard.
+    mesh_shape: sizes of the mesh axes `moe.sharding.MESH_AXES`.
+    num_devices: devices available to the run; None skips that check (a planned mesh).
+  """
+  shape = tuple(mesh_shape)
+  if len(shape) != len(MESH_AXES) or not all(isinstance(s, int) and s >= 1 for s in shape):
+    raise ConfigError(f"mesh_shape must be {len(MESH_AXES)} positive integers {MESH_AXES}, "
+                      f"got {mesh_shape!r}")
+  axes = dict(zip(MESH_AXES, shape))
+  if model.num_experts % axes["expert"]:
+    raise ConfigError(f"impossible mesh: the expert axis ({axes['expert']}) must divide "
+                      f"num_experts ({model.num_experts}) so every device holds whole experts")
+  if model.num_heads % axes["tensor"]:
+    raise ConfigError(f"impossible mesh: the tensor axis ({axes['tensor']}) must divide "
+                      f"num_heads ({model.num_heads})")
+  _check_devices(shape, num_devices)
+
+
+def _check_devices(shape: Sequence[int], num_devices: Optional[int]) -> None:
+  # Checked after everything about the config itself, which is wrong whatever the machine.
+  need = math.prod(shape)
+  if num_devices is not None and need > num_devices:
+    named = ", ".join(f"{a}={s}" for a, s in zip(MESH_AXES, shape))
+    raise ConfigError(
+        f"impossible mesh: mesh_shape ({named}) needs {need} devices but {num_devices} "
+        f"{'is' if num_devices == 1 else 'are'} available (on a CPU, "
+        f"XLA_FLAGS=--xla_force_host_platform_device_count={need} simulates more)")
+
+
+def validate_experiment(cfg: ExperimentConfig, num_devices: Optional[int] = None) -> None:
+  """Mesh checks of `validate_mesh` plus: batch axes (data x fsdp) divide every batch."""
+  validate_mesh(cfg.model, cfg.mesh_shape, None)
+  axes = dict(zip(MESH_AXES, cfg.mesh_shape))
+  split = axes["data"] * axes["fsdp"]
+  batches = []
+  if cfg.pretrain.steps:
+    batches.append(("PretrainConfig.batch_rows", cfg.pretrain.batch_rows))
+  if cfg.rl.steps:
+    batches.append(("PipelineConfig.batch_rows", cfg.rl.pipeline.batch_rows))
+  for name, rows in batches:
+    if rows % split:
+      raise ConfigError(f"impossible mesh: {name} ({rows}) must be a multiple of "
+                        f"data x fsdp ({axes['data']} x {axes['fsdp']} = {split}), the axes "
+                        f"the batch is split over")
+  _check_devices(cfg.mesh_shape, num_devices)
+
+
+def _bound(selector: str) -> bool:
+  try:
+    gin.query_parameter(selector)
+    return True
+  except ValueError:
+    return False
+
+
+def _unused_bindings() -> list[str]:
+  """Bindings of this module's configurables that the last construction never read.
+
+  Uses gin's config and operative-config tables (gin 0.5 keeps them as module dicts keyed by
+  (scope, selector)); a binding absent from the operative config was parsed but never applied.
+  """
+  ours = set(CONFIGURABLES.values())
+  unused = []
+  for (scope, selector), params in gin_config._CONFIG.items():  # pylint: disable=protected-access
+    if selector not in ours:
+      continue
+    used = gin_config._OPERATIVE_CONFIG.get((scope, selector), {})  # pylint: disable=protected-access
+    for name in params:
+      if name not in used:
+        prefix = f"{scope}/" if scope else ""
+        unused.append(f"{prefix}{selector.split('.')[-1]}.{name}")
+  return sorted(unused)
+
+
+_CONSTRUCTED_BY = {
+    "ModelConfig": "ExperimentConfig.model = @ModelConfig() (every run file binds it)",
+    "PretrainConfig": "ExperimentConfig.pretrain = @PretrainConfig() (tools/configs/runs/"
+                      "pretrain.gin)",
+    "RLConfig": "ExperimentConfig.rl = @RLConfig() (tools/configs/runs/rl.gin)",
+    "PipelineConfig": "RLConfig.pipeline = @PipelineConfig() (tools/configs/runs/rl.gin)",
+    "EvalConfig": "ExperimentConfig.eval = @EvalConfig() (tools/configs/runs/eval.gin)",
+    "ExperimentConfig": "nothing: load_experiment constructs it",
+}
+
+
+def load_experiment(gin_files: Sequence[str], bindings: Sequence[str] = (), *,
+                    num_devices: Optional[int] = None,
+                    check_devices: bool = True) -> ExperimentConfig:
+  """Parses gin files and `NAME = VALUE` bindings and builds the validated ExperimentConfig.
+
+  Args:
+    gin_files: experiment files (paths absolute or relative to the repo / Bazel workspace).
+    bindings: gin bindings applied after the files (e.g. "RLConfig.steps = 100").
+    num_devices: devices the run will use (default: `jax.device_count()`).
+    check_devices: False for planned real-size runs: the mesh is checked against the model and
+      the batches but not against the devices of this machine.
+
+  Raises:
+    ConfigError: anything wrong with the configuration, with a message that says what to fix.
+  """
+  parse(gin_files, bindings, finalize=True)
+  if not any(sel == CONFIGURABLES["ModelConfig"]
+             for _, sel in gin_config._CONFIG):  # pylint: disable=protected-access
+    raise ConfigError("no model size: include a model size file (moe/configs/tiny.gin, "
+                      "small.gin, ...) in the experiment or pass it with --gin_file")
+  skipped = {}
+  if not _bound("ExperimentConfig.pretrain"):
+    skipped["pretrain"] = PretrainConfig(steps=0)
+  if not _bound("ExperimentConfig.rl"):
+    skipped["rl"] = RLConfig(steps=0)
+  try:
+    cfg = GinExperimentConfig(**skipped)
+  except TypeError as e:
+    msg = str(e)
+    if "'model'" in msg:
+      msg = ("ExperimentConfig.model is not bound: include a run file (tools/configs/runs/*.gin) "
+             "or bind ExperimentConfig.model = @ModelConfig()")
+    raise ConfigError(f"bad experiment config: {msg}") from e
+  except ValueError as e:
+    raise ConfigError(f"bad experiment config: {e}") from e
+  unused = _unused_bindings()
+  if unused:
+    hints = sorted({_CONSTRUCTED_BY[u.split("/")[-1].split(".")[0]] for u in unused})
+    raise ConfigError(f"bindings that nothing uses: {', '.join(unused)}; they take effect only "
+                      f"if the experiment binds {'; '.join(hints)}")
+  if check_devices and num_devices is None:
+    import jax  # pylint: disable=g-import-not-at-top
+    num_devices = jax.device_count()
+  validate_experiment(cfg, num_devices if check_devices else None)
+  return cfg
