@@ -135,6 +135,14 @@ class _Sample:
     self.slot: Optional[int] = None
 
 
+@dataclasses.dataclass
+class PreparedWeights:
+  """Weights validated and packed by `Engine.prepare_weights`, ready to swap in."""
+  params: Any
+  flat: dict
+  prepare_s: float
+
+
 class RequestHandle:
   """A submitted request: wait with `.result()`, or `await asyncio.wrap_future(h.future)`."""
 
@@ -315,29 +323,43 @@ class Engine:
                             stop=tuple(stop), seed=seed, ignore_eos=ignore_eos)
     return self.submit(prompt_token_ids, params, timeout=timeout).result()
 
-  def swap_weights(self, flat: Mapping[str, np.ndarray], version: int,
-                   timeout: Optional[float] = None) -> dict:
-    """Replaces the weights while serving; returns timings.
+  def prepare_weights(self, flat: Mapping[str, np.ndarray]) -> "PreparedWeights":
+    """Validates and packs weights for a later `swap_weights` (no effect on serving).
 
-    The new weights are validated and packed in the calling thread while decoding continues; the
-    serving loop then swaps them in between two decode calls. In-flight requests keep their KV
-    caches (computed by the old weights) and record `version` for tokens produced afterwards.
-
-    Returns:
-      {"version", "prepare_s" (validate + pack), "pause_s" (time the decode loop stood still
-       between the last call with the old weights and the first with the new), "total_s"}.
+    Raises:
+      ValueError: names or shapes do not match the served model.
     """
     t0 = time.perf_counter()
     flat = dict(flat)
-    new_params = weights_lib.pack(flat, self.model_config, self.config.dtype)
-    jax.block_until_ready(new_params)
-    prepared = time.perf_counter()
+    packed = weights_lib.pack(flat, self.model_config, self.config.dtype)
+    jax.block_until_ready(packed)
+    return PreparedWeights(packed, flat, time.perf_counter() - t0)
+
+  def swap_weights(self, flat, version: int, timeout: Optional[float] = None) -> dict:
+    """Replaces the weights while serving; returns timings.
+
+    `flat` is a flat weight dict (validated and packed here, in the calling thread, while
+    decoding continues) or the result of `prepare_weights`. The serving loop then swaps the
+    packed weights in between two decode calls. In-flight requests keep their KV caches
+    (computed by the old weights) and record `version` for tokens produced afterwards.
+
+    Returns:
+      {"version", "prepare_s" (validate + pack), "pause_s" (how long the decode loop stood
+       still for the swap, from the end of its last call with the old weights to the swap
+       being in place; 0 if nothing was in flight), "in_flight" (completions running),
+       "total_s" (call to applied, including waiting for the decode call in progress)}.
+
+    Raises:
+      ValueError: names or shapes do not match the served model (nothing changes).
+    """
+    t0 = time.perf_counter()
+    prepared = flat if isinstance(flat, PreparedWeights) else self.prepare_weights(flat)
     done = threading.Event()
-    result = {"version": int(version), "prepare_s": prepared - t0}
+    result = {"version": int(version), "prepare_s": prepared.prepare_s}
     with self._cv_lock:
       if self._thread is None or self._stopping:
         raise EngineStopped("the engine is not running")
-      self._pending_swap = (new_params, flat, int(version), done, result)
+      self._pending_swap = (prepared.params, prepared.flat, int(version), done, result)
       self._cv_lock.notify_all()
     if not done.wait(timeout):
       raise TimeoutError("weight swap was not applied in time")
@@ -420,9 +442,10 @@ class Engine:
         self._admit()
         if any(o is not None for o in self._owner):
           self._decode()
-          last_chunk_end = time.perf_counter()
-        else:
-          last_chunk_end = None
+        # A swap's pause is measured from the end of the last decode call only while requests
+        # are in flight; an idle loop is not paused.
+        busy = any(o is not None for o in self._owner)
+        last_chunk_end = time.perf_counter() if busy else None
       except Exception as e:  # a bug must not hang callers: fail what is in flight, keep serving
         log.exception("engine loop error")
         self._fail_all(e)
@@ -430,14 +453,13 @@ class Engine:
 
   def _apply_swap(self, swap, last_chunk_end) -> None:
     new_params, flat, version, done, result = swap
-    start = time.perf_counter()
     self._params = new_params
     self._flat = flat
     self.version = version
     self.stats["swaps_total"] += 1
     # The decode loop stood still from the end of its last call until the next call starts; that
     # next call starts right after this returns, so measure to here (plus a negligible return).
-    result["pause_s"] = time.perf_counter() - (last_chunk_end or start)
+    result["pause_s"] = 0.0 if last_chunk_end is None else time.perf_counter() - last_chunk_end
     result["in_flight"] = int(sum(o is not None for o in self._owner))
     done.set()
 

@@ -161,8 +161,8 @@ def test_swap_mid_request_records_versions_and_keeps_kv(model):
                      on_tokens=lambda h, i, t, l, r: len(h.samples[0].tokens) >= 6 and seen.set())
       assert seen.wait(60)
       v = eng.version + 1
-      out = eng.swap_weights(new_flat, v)
-      assert out["version"] == v and out["pause_s"] >= 0
+      out = eng.swap_weights(eng.prepare_weights(new_flat) if same else new_flat, v)
+      assert out["version"] == v and out["in_flight"] == 1 and 0 <= out["pause_s"] < 5
       c = h.result(timeout=60)[0]
       vs = c.policy_versions
       assert vs[0] == v - 1 and vs[-1] == v and vs == sorted(vs)

@@ -86,7 +86,7 @@ def pack(flat: Mapping[str, object], cfg: ModelConfig, dtype: Optional[str] = No
   hdt = jnp.float32 if cfg.fp32_lm_head else dt
 
   def a(name, to=dt):
-    return np.asarray(flat[name]).astype(to)
+    return np.asarray(flat[name]).astype(to, copy=False)
 
   d = cfg.hidden_size
   embed = a("embed")

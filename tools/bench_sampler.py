@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -59,8 +60,9 @@ def make_hf_checkpoint(path: str, spec: dict, seed: int = 0):
   return model
 
 
-def bench_transformers(model, prompts: np.ndarray, new_tokens: int) -> dict:
+def bench_transformers(model, prompts: np.ndarray, new_tokens: int, threads: int) -> dict:
   import torch
+  torch.set_num_threads(threads)
   ids = torch.tensor(prompts, dtype=torch.long)
   t0 = time.perf_counter()
   with torch.no_grad():
@@ -69,7 +71,7 @@ def bench_transformers(model, prompts: np.ndarray, new_tokens: int) -> dict:
                          eos_token_id=None)
   dt = time.perf_counter() - t0
   gen = out[:, prompts.shape[1]:].numpy()
-  return {"tokens_per_s": gen.size / dt, "latency_s": dt, "tokens": gen}
+  return {"tokens_per_s": gen.size / dt, "latency_s": dt, "tokens": gen, "threads": threads}
 
 
 def bench_engine(engine: Engine, prompts: np.ndarray, new_tokens: int, *,
@@ -103,23 +105,25 @@ def _best(runs):
 
 
 def throughput(torch_model, engines: dict, rng, batches, prompt_len, new_tokens, repeats,
-               vocab) -> list:
+               vocab, torch_threads=(1, 2)) -> list:
   rows = []
   for b in batches:
     prompts = rng.integers(0, vocab, (b, prompt_len))
     for eng in engines.values():  # warm-up: compiles every shape this workload uses
       bench_engine(eng, prompts, new_tokens)
-    bench_transformers(torch_model, prompts, 4)
+    bench_transformers(torch_model, prompts, 4, torch_threads[0])
     runs = {"transformers": []}
     runs.update({name: [] for name in engines})
     for _ in range(repeats):
-      runs["transformers"].append(bench_transformers(torch_model, prompts, new_tokens))
+      for t in torch_threads:  # torch's best thread count on this (shared) machine
+        runs["transformers"].append(bench_transformers(torch_model, prompts, new_tokens, t))
       for name, eng in engines.items():
         runs[name].append(bench_engine(eng, prompts, new_tokens))
     best = {k: _best(v) for k, v in runs.items()}
     ref = best["transformers"]
     row = {"batch": b, "transformers_tok_s": ref["tokens_per_s"],
-           "transformers_latency_s": ref["latency_s"]}
+           "transformers_latency_s": ref["latency_s"], "transformers_threads": ref["threads"],
+           "loadavg_1m": os.getloadavg()[0]}
     for name in engines:
       r = best[name]
       same = r["tokens"] == ref["tokens"]
@@ -159,16 +163,17 @@ def swap_row(label: str, flat: dict, cfg: ModelConfig, ec: EngineConfig, prompt_
   row = {"model": label, "params": int(sum(v.size for v in flat.values())),
          "reload_s": reload_s, "reload_pack_s": built - t0,
          "reload_compile_first_token_s": reload_s - (built - t0)}
-  # Warm the decode shapes, then swap while a batch is decoding.
-  eng.generate(prompts[0], max_tokens=ec.decode_steps * 2 + 1, temperature=0.0, ignore_eos=True)
+  # Warm the shapes of the workload (compilation), then swap while the same batch is decoding.
+  params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+  for h in eng.submit_batch(prompts, params):
+    h.result()
   new_flat = {k: (v * np.asarray(1.01, v.dtype)).astype(v.dtype) if i % 2 == 0 else v
               for i, (k, v) in enumerate(flat.items())}
+  prepared = eng.prepare_weights(new_flat)  # off the serving path (decoding may continue)
   started = threading.Event()
-  hs = eng.submit_batch(prompts, SamplingParams(max_tokens=new_tokens, temperature=0.0,
-                                                ignore_eos=True),
-                        on_tokens=lambda h, i, t, l, r: started.set())
+  hs = eng.submit_batch(prompts, params, on_tokens=lambda h, i, t, l, r: started.set())
   started.wait()
-  res = eng.swap_weights(new_flat, 1)
+  res = eng.swap_weights(prepared, 1)
   comps = [h.result()[0] for h in hs]
   vers = comps[0].policy_versions
   eng.stop()
@@ -232,8 +237,8 @@ def main(argv=None) -> int:
     gc.collect()
     report["swap"].append(swap_row(
         "~1B MoE (bf16)", big_flat, big_cfg,
-        EngineConfig(max_slots=1, max_len=64, decode_steps=2, dtype=None, length_bucket=64),
-        prompt_len=8, new_tokens=12, batch=1))
+        EngineConfig(max_slots=1, max_len=64, decode_steps=1, dtype=None, length_bucket=64),
+        prompt_len=8, new_tokens=48, batch=1))
   if args.json:
     with open(args.json, "w") as f:
       json.dump(report, f, indent=1, default=lambda o: o.tolist() if hasattr(o, "tolist")
