@@ -154,7 +154,11 @@ def _check_devices(shape: Sequence[int], num_devices: Optional[int]) -> None:
 
 
 def validate_experiment(cfg: ExperimentConfig, num_devices: Optional[int] = None) -> None:
-  """Mesh checks of `validate_mesh` plus: batch axes (data x fsdp) divide every batch."""
+  """Checks `validate_mesh`, the batches, then the devices; raises ConfigError.
+
+  The batch of every phase that runs must split over data x fsdp; `num_devices` None skips the
+  device count (a planned mesh).
+  """
   validate_mesh(cfg.model, cfg.mesh_shape, None)
   axes = dict(zip(MESH_AXES, cfg.mesh_shape))
   split = axes["data"] * axes["fsdp"]
@@ -186,11 +190,13 @@ def _unused_bindings() -> list[str]:
   (scope, selector)); a binding absent from the operative config was parsed but never applied.
   """
   ours = set(CONFIGURABLES.values())
+  bound = gin_config._CONFIG  # pylint: disable=protected-access
+  operative = gin_config._OPERATIVE_CONFIG  # pylint: disable=protected-access
   unused = []
-  for (scope, selector), params in gin_config._CONFIG.items():  # pylint: disable=protected-access
+  for (scope, selector), params in bound.items():
     if selector not in ours:
       continue
-    used = gin_config._OPERATIVE_CONFIG.get((scope, selector), {})  # pylint: disable=protected-access
+    used = operative.get((scope, selector), {})
     for name in params:
       if name not in used:
         prefix = f"{scope}/" if scope else ""
@@ -219,11 +225,16 @@ def load_experiment(gin_files: Sequence[str], bindings: Sequence[str] = (), *,
     bindings: gin bindings applied after the files (e.g. "RLConfig.steps = 100").
     num_devices: devices the run will use (default: `jax.device_count()`).
     check_devices: False for planned real-size runs: the mesh is checked against the model and
-      the batches but not against the devices of this machine.
+      the batches but not against the devices of this machine. `*_plan.gin` files are refused
+      unless this is False.
 
   Raises:
     ConfigError: anything wrong with the configuration, with a message that says what to fix.
   """
+  plans = [f for f in gin_files if is_plan_experiment(f)]
+  if check_devices and plans:
+    raise ConfigError(f"{plans[0]} is a plan-only experiment (a real-size run): validate and "
+                      f"plan it with `bazel run //tools:plan -- --gin_file={plans[0]}`")
   parse(gin_files, bindings, finalize=True)
   if not any(sel == CONFIGURABLES["ModelConfig"]
              for _, sel in gin_config._CONFIG):  # pylint: disable=protected-access

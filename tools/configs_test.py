@@ -125,9 +125,8 @@ def test_bindings_nothing_uses():
   # RL settings without runs/rl.gin would be silently dropped; say which binding is missing.
   with pytest.raises(configs.ConfigError, match=r"nothing uses: PipelineConfig.max_staleness, "
                      r"RLConfig.steps; .*ExperimentConfig.rl = @RLConfig\(\)"):
-    configs.load_experiment([TINY, f"{RUNS}/eval.gin"],
-                            REQUIRED[5:] + ["RLConfig.steps = 3", "PipelineConfig.max_staleness = 1"],
-                            num_devices=1)
+    rl_only = ["RLConfig.steps = 3", "PipelineConfig.max_staleness = 1"]
+    configs.load_experiment([TINY, f"{RUNS}/eval.gin"], REQUIRED[5:] + rl_only, num_devices=1)
 
 
 def test_negative_staleness():
@@ -167,6 +166,14 @@ def test_impossible_meshes():
   assert cfg.mesh_shape == (2, 2, 2, 1)
   with pytest.raises(configs.ConfigError, match="needs 8 devices"):
     configs.load_experiment([DEFAULT], ["ExperimentConfig.mesh_shape = (2, 2, 2, 1)"])
+
+
+def test_plan_experiments_are_refused_by_the_main_job():
+  path = "tools/configs/experiments/qwen3_30b_a3b_plan.gin"
+  with pytest.raises(configs.ConfigError, match=f"plan-only .*`bazel run //tools:plan -- "
+                     f"--gin_file={path}"):
+    configs.load_experiment([path], num_devices=1024)
+  assert configs.load_experiment([path], check_devices=False).mesh_shape == (2, 8, 16, 1)
 
 
 def test_validate_mesh_directly():
