@@ -78,7 +78,7 @@ def test_in_sync_sampler_gives_unit_weights_and_plain_ppo():
 
 
 def test_micro_batches_match_one_big_batch():
-  mesh = sharding.make_mesh((2, 1, 1, 1))
+  mesh = sharding.make_mesh((1, 1, 1, 1))  # sharded micro-batching: trainer/multihost tests
   # The router's load-balancing loss is a non-linear function of the whole batch (so it is
   # averaged per micro-batch); without it the objective is exactly additive over micro-batches.
   one = _policy_learner(True, mesh, aux_loss=False, micro_batches=1)
