@@ -214,10 +214,7 @@ class Engine:
     self._flat = flat
     self._params = weights_lib.pack(flat, cfg, ec.dtype)
     self.version = version
-    dt = self._params["embed"].dtype
-    shape = (ec.max_slots, cfg.num_kv_heads, max_len, cfg.resolved_head_dim)
-    self._ck = tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers))
-    self._cv = tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers))
+    self._alloc_cache()
     b = ec.max_slots
     self._slots = {
         "tok": np.zeros(b, np.int32), "pos": np.zeros(b, np.int32),
@@ -239,6 +236,13 @@ class Engine:
     self.last_swap: dict = {}
     if start:
       self.start()
+
+  def _alloc_cache(self) -> None:
+    cfg = self.model_config
+    dt = self._params["embed"].dtype
+    shape = (self.config.max_slots, cfg.num_kv_heads, self.max_len, cfg.resolved_head_dim)
+    self._ck = tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers))
+    self._cv = tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers))
 
   def start(self) -> None:
     if self._thread is not None:
@@ -449,6 +453,7 @@ class Engine:
       except Exception as e:  # a bug must not hang callers: fail what is in flight, keep serving
         log.exception("engine loop error")
         self._fail_all(e)
+        self._alloc_cache()  # a failed call may have consumed the donated cache buffers
     self._fail_all(EngineStopped("the engine stopped"), reason="cancelled")
 
   def _apply_swap(self, swap, last_chunk_end) -> None:
@@ -464,10 +469,13 @@ class Engine:
     done.set()
 
   def _fail_all(self, err: Exception, reason: str = "error") -> None:
-    with self._cv_lock:
-      queued = list(self._queue)
-      self._queue.clear()
-      self._queued_completions = 0
+    """Ends in-flight requests (and, when stopping, queued ones) so no caller waits forever."""
+    queued = []
+    if reason == "cancelled":
+      with self._cv_lock:
+        queued = list(self._queue)
+        self._queue.clear()
+        self._queued_completions = 0
     handles = {id(o[0]): o[0] for o in self._owner if o is not None}
     for slot, o in enumerate(self._owner):
       if o is not None:
@@ -581,10 +589,15 @@ class Engine:
         seed[m], sample[m] = h.params.seed % 2**32, i
         m += 1
     caps = forward.capacity_tiers(rows * length, cfg, ec.capacity_factors, ec.deterministic)
-    self._ck, self._cv, tok, lp, routing = kernels.prefill_into_slots(
-        self._params, self._ck, self._cv, tokens, lengths, dst, src, temp, top_k, top_p, seed,
-        sample, cfg=cfg, caps=caps)
-    tok, lp, routing = np.asarray(tok), np.asarray(lp), np.asarray(routing)
+    try:
+      self._ck, self._cv, tok, lp, routing = kernels.prefill_into_slots(
+          self._params, self._ck, self._cv, tokens, lengths, dst, src, temp, top_k, top_p, seed,
+          sample, cfg=cfg, caps=caps)
+      tok, lp, routing = np.asarray(tok), np.asarray(lp), np.asarray(routing)
+    except Exception as e:  # these requests left the queue but own no slot yet: fail them here
+      for h, _ in batch:
+        h.future.set_exception(e)
+      raise
     self.stats["prefill_calls_total"] += 1
     self.stats["prompt_tokens_total"] += int(lengths[:len(batch)].sum())
     st = self._slots

@@ -201,5 +201,24 @@ def test_swap_rejects_bad_weights_and_applies_deltas(engine):
   engine.swap_weights(base, v0 + 2)
 
 
+def test_a_failing_device_call_fails_its_requests_and_the_engine_recovers(engine, monkeypatch):
+  from rollout import kernels
+  real = kernels.decode_chunk
+  calls = []
+
+  def broken(*a, **kw):
+    calls.append(1)
+    if len(calls) == 1:
+      raise RuntimeError("injected device failure")
+    return real(*a, **kw)
+
+  monkeypatch.setattr(kernels, "decode_chunk", broken)
+  h = engine.submit(PROMPTS[1], SamplingParams(max_tokens=8))
+  with pytest.raises(RuntimeError, match="injected"):
+    h.result(timeout=60)
+  c = engine.generate(PROMPTS[1], max_tokens=8, temperature=0.0)[0]
+  assert len(c.token_ids) == 8 and c.finish_reason == "length"
+
+
 if __name__ == "__main__":
   sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
