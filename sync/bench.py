@@ -186,7 +186,8 @@ def from_checkpoints(path1: str, path2: str, dtype=None, **kw) -> Row:
 def terabyte_report(row: Row, cores_here: int | None = None, **kw) -> dict:
   """The simulator's 1 TB / four-cluster answer from a measured row's per-core rates."""
   cores = cores_here or row.workers
-  enc, dec = row.encode_GBps * 1e9 / cores, row.apply_GBps * 1e9 / cores  # the subscriber applies in place
+  # Decode rate: the in-place apply, which is what the subscriber runs on a sampler.
+  enc, dec = row.encode_GBps * 1e9 / cores, row.apply_GBps * 1e9 / cores
   out = {}
   for mode in (False, True):
     r = sim.simulate(sim.terabyte_four_clusters(enc, dec, row.ratio, apply_delta_only=mode,

@@ -1,11 +1,15 @@
-"""Delta blobs between two versions of flat weights: `encode`, `decode`, `DeltaError`.
+"""Delta blobs between two versions of flat weights: `encode`, `decode`, `apply_inplace`.
 
 What: the public interface of weight-sync compression.
 
     from sync import delta
     blob = delta.encode(base, new)        # base/new: dict name -> np.ndarray
     rebuilt = delta.decode(base, blob)    # bit-identical to `new`, or raises delta.DeltaError
+    new_flat, stats = delta.apply_inplace(held, blob)  # writes only the changes into `held`
 
+`apply_inplace` is the sampler's cheap path: no second model is allocated or copied, the cost
+is the changed elements plus one hash pass, and it is all-or-nothing (everything checked before
+the first write, exact roll-back if a rebuilt chunk's hash fails).
 `encode_to` / `decode_stream` are the streaming forms (a writable sink / a readable source);
 `encode` and `decode` are thin wrappers over them, so every path is measured through the same
 code. Work is split into fixed-size chunks (`weights.CHUNK_ELEMS` elements) that a thread pool

@@ -1,5 +1,7 @@
 """Tests for real learner versions: they change, round-trip bit-exactly and beat XOR+zstd."""
 
+import json
+import os
 import sys
 
 import numpy as np
@@ -30,6 +32,27 @@ def test_consecutive_learner_versions_compress_bit_exactly():
   held = {k: v.copy() for k, v in a.items()}
   out, _ = delta.apply_inplace(held, delta.encode(a, b))
   assert all(np.array_equal(weights.words(out[k]), weights.words(b[k])) for k in b)
+
+
+def test_command_line_learner_mode(tmp_path):
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  from tools import bench_sync  # pylint: disable=g-import-not-at-top
+  small = ["vocab_size=16", "hidden_size=32", "num_layers=1", "num_heads=2", "num_kv_heads=1",
+           "intermediate_size=64", "moe_intermediate_size=32", "num_experts=4",
+           "max_seq_len=64"]
+  out = tmp_path / "r.json"
+  args = ["--learner_steps", "2", "--learner_lrs", "1e-4", "--repeats", "1", "--no_sim",
+          "--json", str(out)]
+  for b in small:
+    args += ["--binding", f"ModelConfig.{b}"]
+  assert bench_sync.main(args) == 0
+  report = json.loads(out.read_text())
+  assert [r["label"] for r in report["rows"]] == ["learner lr=0.0001 v0->v1",
+                                                  "learner lr=0.0001 v1->v2"]
+  (summary,) = report["learner"]
+  assert summary["lr"] == 1e-4 and len(summary["changed"]) == 2
+  assert all(0 < c < 1 for c in summary["changed"])
+  assert all(r > x for r, x in zip(summary["ratio"], summary["xor_ratio"]))
 
 
 def test_steps_must_be_positive():
