@@ -43,7 +43,7 @@ from moe.config import ModelConfig
 from rollout import forward
 from rollout import kernels
 from rollout import weights as weights_lib
-from rollout.sampling import SamplingParams
+from rollout.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,8 @@ class Completion:
       concatenating it with `routing` along axis 1 replays routing for the learner's forward on
       prompt + token_ids[:-1].
     index: completion index within the request (0..n-1).
+    top_logprobs: per token, {token id: logprob} of the `logprobs` most likely tokens of the
+      distribution sampled from (None unless the request asked for alternatives).
   """
   token_ids: list
   logprobs: list
@@ -119,6 +121,7 @@ class Completion:
   text: str = ""
   prompt_routing: Optional[np.ndarray] = None
   index: int = 0
+  top_logprobs: Optional[list] = None
 
 
 class _Sample:
@@ -130,6 +133,7 @@ class _Sample:
     self.logprobs: list = []
     self.routing: list = []  # [moe_layers, k] per token
     self.versions: list = []
+    self.top: list = []  # {token id: logprob} per token, when alternatives were asked for
     self.finish_reason: Optional[str] = None
     self.text = ""
     self.slot: Optional[int] = None
@@ -589,11 +593,13 @@ class Engine:
         seed[m], sample[m] = h.params.seed % 2**32, i
         m += 1
     caps = forward.capacity_tiers(rows * length, cfg, ec.capacity_factors, ec.deterministic)
+    top_n = MAX_TOP_LOGPROBS if any(h.params.logprobs for h, _ in batch) else 0
     try:
-      self._ck, self._cv, tok, lp, routing = kernels.prefill_into_slots(
+      self._ck, self._cv, tok, lp, routing, top_lp, top_ids = kernels.prefill_into_slots(
           self._params, self._ck, self._cv, tokens, lengths, dst, src, temp, top_k, top_p, seed,
-          sample, cfg=cfg, caps=caps)
+          sample, cfg=cfg, caps=caps, top_n=top_n)
       tok, lp, routing = np.asarray(tok), np.asarray(lp), np.asarray(routing)
+      top_lp, top_ids = np.asarray(top_lp), np.asarray(top_ids)
     except Exception as e:  # these requests left the queue but own no slot yet: fail them here
       for h, _ in batch:
         h.future.set_exception(e)
@@ -616,7 +622,8 @@ class Engine:
         st["stop"][slot, :len(h.stop_ids)] = h.stop_ids
         t = int(tok[m])
         self._emit(h, s, [t], [float(lp[m])],
-                   [routing[:, r, n_p - 1]] if cfg.num_moe_layers else [None])
+                   [routing[:, r, n_p - 1]] if cfg.num_moe_layers else [None],
+                   top=[(top_ids[m], top_lp[m])])
         m += 1
         if s.finish_reason is not None:  # a stop string in the first token
           continue
@@ -641,10 +648,11 @@ class Engine:
       need = int(st["pos"][owned].max()) + ec.decode_steps
       sv = min(-(-need // ec.length_bucket) * ec.length_bucket, self.max_len)
     caps = forward.capacity_tiers(nb, cfg, ec.capacity_factors, ec.deterministic)
+    top_n = MAX_TOP_LOGPROBS if any(self._owner[i][0].params.logprobs for i in owned) else 0
     version = self.version
     self._ck, self._cv, carried, outs = kernels.decode_chunk(
         self._params, self._ck, self._cv, st, cfg=cfg, nb=nb, sv=sv, steps=ec.decode_steps,
-        caps=caps)
+        caps=caps, top_n=top_n)
     outs = jax.device_get(outs)
     carried = jax.device_get(carried)
     for k, v in carried.items():
@@ -662,7 +670,8 @@ class Engine:
       if len(steps):
         self._emit(h, s, toks[steps, slot].tolist(), lps[steps, slot].tolist(),
                    [routing[j, :, slot] if cfg.num_moe_layers else None for j in steps],
-                   version)
+                   version, [(outs["top_ids"][j, slot], outs["top_logprobs"][j, slot])
+                             for j in steps])
       touched[id(h)] = h
       if self._owner[slot] is not None and not st["active"][slot]:
         last = s.tokens[-1] if s.tokens else None
@@ -670,8 +679,12 @@ class Engine:
     for h in touched.values():
       self._flush_stream(h)
 
-  def _emit(self, h: RequestHandle, s: _Sample, tokens, logprobs, routing, version=None) -> None:
+  def _emit(self, h: RequestHandle, s: _Sample, tokens, logprobs, routing, version=None,
+            top=None) -> None:
     version = self.version if version is None else version
+    k = h.params.logprobs
+    if k:
+      s.top.extend({int(i): float(v) for i, v in zip(ids[:k], vals[:k])} for ids, vals in top)
     s.tokens.extend(int(t) for t in tokens)
     s.logprobs.extend(float(x) for x in logprobs)
     s.routing.extend(routing)
@@ -689,7 +702,7 @@ class Engine:
     for j in range(1, len(s.tokens) + 1):
       if len(self.tokenizer.decode(s.tokens[:j])) > cut:
         break
-    for lst in (s.tokens, s.logprobs, s.routing, s.versions):
+    for lst in (s.tokens, s.logprobs, s.routing, s.versions, s.top):
       del lst[j:]
     s.text = text[:cut]
     self._finish(s.slot, "stop", text_done=True)
@@ -739,7 +752,8 @@ class Engine:
                    else np.zeros((cfg.num_moe_layers, 0, k), np.dtype(cfg.routing_dtype)))
       out.append(Completion(token_ids=list(s.tokens), logprobs=list(s.logprobs), routing=routing,
                             policy_versions=list(s.versions), finish_reason=s.finish_reason,
-                            text=s.text, prompt_routing=h.prompt_routing, index=s.index))
+                            text=s.text, prompt_routing=h.prompt_routing, index=s.index,
+                            top_logprobs=list(s.top) if h.params.logprobs else None))
     self.stats["completions_total"] += len(out)
     h.future.set_result(out)
 

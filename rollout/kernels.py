@@ -30,9 +30,10 @@ SLOT_FIELDS = ("tok", "pos", "remaining", "active", "temp", "top_k", "top_p", "s
 CARRIED = ("tok", "pos", "remaining", "active", "tindex")
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "caps"), donate_argnames=("cache_k", "cache_v"))
+@functools.partial(jax.jit, static_argnames=("cfg", "caps", "top_n"),
+                   donate_argnames=("cache_k", "cache_v"))
 def prefill_into_slots(params, cache_k, cache_v, tokens, lengths, dst_slot, src_row, temp, top_k,
-                       top_p, seed, sample, *, cfg: ModelConfig, caps: tuple):
+                       top_p, seed, sample, *, cfg: ModelConfig, caps: tuple, top_n: int = 0):
   """Prefills prompts and seeds slots.
 
   Args:
@@ -42,11 +43,12 @@ def prefill_into_slots(params, cache_k, cache_v, tokens, lengths, dst_slot, src_
     dst_slot: int32 [M] slot to fill (M = B; padding entries hold B and are dropped).
     src_row: int32 [M] prompt row each slot samples from.
     temp, top_k, top_p, seed, sample: [M] sampling settings of each slot (see rollout.sampling).
-    cfg: model config; caps: expert capacity tiers for P * L tokens.
+    cfg: model config; caps: expert capacity tiers for P * L tokens; top_n: alternatives to
+      return per token (rollout.sampling.sample).
 
   Returns:
     (cache_k, cache_v, first tokens int32 [M], their logprobs [M], prompt routing uint8/int16
-     [moe_layers, P, L, k]).
+     [moe_layers, P, L, k], top logprobs [M, top_n], top ids [M, top_n]).
   """
   logits, routing, ks, vs = forward.prefill(params, cfg, tokens, lengths, caps)
   t = tokens.shape[1]
@@ -54,15 +56,15 @@ def prefill_into_slots(params, cache_k, cache_v, tokens, lengths, dst_slot, src_
                   for c, k in zip(cache_k, ks))
   cache_v = tuple(c.at[dst_slot, :, :t].set(v[src_row].astype(c.dtype), mode="drop")
                   for c, v in zip(cache_v, vs))
-  tok, lp = sampling.sample(logits[src_row], temp, top_k, top_p, seed, sample,
-                            jnp.zeros_like(sample))
-  return cache_k, cache_v, tok, lp, routing.astype(cfg.routing_dtype)
+  tok, lp, top_lp, top_ids = sampling.sample(logits[src_row], temp, top_k, top_p, seed, sample,
+                                             jnp.zeros_like(sample), top_n)
+  return cache_k, cache_v, tok, lp, routing.astype(cfg.routing_dtype), top_lp, top_ids
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "nb", "sv", "steps", "caps"),
+@functools.partial(jax.jit, static_argnames=("cfg", "nb", "sv", "steps", "caps", "top_n"),
                    donate_argnames=("cache_k", "cache_v"))
 def decode_chunk(params, cache_k, cache_v, slots, *, cfg: ModelConfig, nb: int, sv: int,
-                 steps: int, caps: tuple):
+                 steps: int, caps: tuple, top_n: int = 0):
   """Runs `steps` decode steps on slots [0, nb) attending over cache positions [0, sv).
 
   Args:
@@ -71,12 +73,12 @@ def decode_chunk(params, cache_k, cache_v, slots, *, cfg: ModelConfig, nb: int, 
     slots: dict of SLOT_FIELDS arrays, each [B] ("stop" is [B, max_stop_ids]); only the first nb
       rows are used. `tok` is each slot's next input token at position `pos`; `remaining` counts
       tokens still to generate; inactive rows compute but emit nothing and do not advance.
-    cfg, nb, sv, steps, caps: static shape parameters.
+    cfg, nb, sv, steps, caps, top_n: static shape parameters.
 
   Returns:
     (cache_k, cache_v, carried {CARRIED: [nb]}, outputs) with outputs = dict(tokens int32
     [steps, nb], logprobs float32 [steps, nb], routing [steps, moe_layers, nb, k],
-    valid bool [steps, nb]).
+    valid bool [steps, nb], top_logprobs [steps, nb, top_n], top_ids [steps, nb, top_n]).
   """
   b, s_len = cache_k[0].shape[0], cache_k[0].shape[2]
   st = {k: v[:nb] for k, v in slots.items()}
@@ -87,8 +89,8 @@ def decode_chunk(params, cache_k, cache_v, slots, *, cfg: ModelConfig, nb: int, 
   def body(carry, _):
     ck, cv, c = carry
     logits, routing, ck, cv = forward.decode_step(params, cfg, c["tok"], c["pos"], ck, cv, caps)
-    tok, lp = sampling.sample(logits, st["temp"], st["top_k"], st["top_p"], st["seed"],
-                              st["sample"], c["tindex"])
+    tok, lp, top_lp, top_ids = sampling.sample(logits, st["temp"], st["top_k"], st["top_p"],
+                                               st["seed"], st["sample"], c["tindex"], top_n)
     valid = c["active"]
     remaining = c["remaining"] - valid.astype(jnp.int32)
     stopped = jnp.any(tok[:, None] == st["stop"], axis=-1) | (remaining <= 0)
@@ -98,7 +100,7 @@ def decode_chunk(params, cache_k, cache_v, slots, *, cfg: ModelConfig, nb: int, 
            "remaining": remaining, "active": active,
            "tindex": c["tindex"] + valid.astype(jnp.int32)}
     out = {"tokens": tok, "logprobs": lp, "routing": routing.astype(cfg.routing_dtype),
-           "valid": valid}
+           "valid": valid, "top_logprobs": top_lp, "top_ids": top_ids}
     return (ck, cv, new), out
 
   init = {k: st[k] for k in CARRIED}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from rollout.sampling import SamplingParams
+from rollout.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 MAX_N = 128
 MAX_STOP_STRINGS = 4
@@ -109,8 +109,7 @@ def parse_completion_request(body: Any, tokenizer, vocab_size: int,
   """Validates a completions request.
 
   Returns:
-    dict(prompts=[token-id lists], params=SamplingParams, stream=bool, logprobs=bool,
-    timeout=float or None, return_routing=bool, return_prompt_routing=bool, model=str or None).
+    dict(prompts=[token-id lists], params=SamplingParams, stream=bool, timeout=float or None, return_routing=bool, return_prompt_routing=bool, model=str or None).
 
   Raises:
     BadRequest: with a message naming the field.
@@ -132,10 +131,7 @@ def parse_completion_request(body: Any, tokenizer, vocab_size: int,
   if best_of is not None and best_of != n:
     raise BadRequest("'best_of' is not supported (it must equal 'n' when given)")
   max_tokens = _int(body, "max_tokens", 16, 1, max_tokens_limit)
-  logprobs = _int(body, "logprobs", None, 0)
-  if logprobs:
-    raise BadRequest(f"'logprobs' = {logprobs} asks for top alternatives, which are not "
-                     "computed; send 'logprobs': 0 to get each sampled token's logprob")
+  logprobs = _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
   if _bool(body, "echo", False):
     raise BadRequest("'echo' is not supported")
   for name in ("presence_penalty", "frequency_penalty"):
@@ -180,33 +176,46 @@ def parse_completion_request(body: Any, tokenizer, vocab_size: int,
         n=n, max_tokens=max_tokens, temperature=_num(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_num(body, "top_p", 1.0, 1e-9, 1.0), top_k=_int(body, "top_k", 0, 0),
         stop_token_ids=tuple(stop_ids), stop=tuple(stop), seed=seed,
-        ignore_eos=_bool(body, "ignore_eos", False))
+        ignore_eos=_bool(body, "ignore_eos", False), logprobs=logprobs or 0)
   except ValueError as e:
     raise BadRequest(str(e)) from None
   return {"prompts": prompts, "params": params, "stream": _bool(body, "stream", False),
-          "logprobs": logprobs is not None, "timeout": timeout,
+          "timeout": timeout,
           "return_routing": _bool(body, "return_routing", True),
           "return_prompt_routing": _bool(body, "return_prompt_routing", False), "model": model}
 
 
-def logprobs_json(tokenizer, token_ids, logprobs, offset: int = 0) -> dict:
-  """OpenAI completions `logprobs` object (top_logprobs is not computed)."""
-  toks = [tokenizer.decode([t]) if tokenizer is not None else str(t) for t in token_ids]
+def _token_str(tokenizer, t: int) -> str:
+  return tokenizer.decode([t]) if tokenizer is not None else str(t)
+
+
+def logprobs_json(tokenizer, token_ids, logprobs, top=None, offset: int = 0) -> dict:
+  """OpenAI completions `logprobs` object.
+
+  `top` is a list (per token) of {token id: logprob}; in the JSON each becomes
+  {token string: logprob} as OpenAI does (ids that decode to the same string collapse to one
+  entry; `top_logprob_ids` keeps them by id).
+  """
+  toks = [_token_str(tokenizer, t) for t in token_ids]
   offsets, pos = [], offset
   for s in toks:
     offsets.append(pos)
     pos += len(s)
-  return {"tokens": toks, "token_logprobs": list(logprobs), "top_logprobs": None,
-          "text_offset": offsets}
+  out = {"tokens": toks, "token_logprobs": list(logprobs), "top_logprobs": None,
+         "text_offset": offsets}
+  if top is not None:
+    out["top_logprobs"] = [{_token_str(tokenizer, i): v for i, v in d.items()} for d in top]
+    out["top_logprob_ids"] = [[[i, v] for i, v in d.items()] for d in top]
+  return out
 
 
-def choice_json(index: int, completion, tokenizer, *, logprobs: bool, return_routing: bool,
+def choice_json(index: int, completion, tokenizer, *, return_routing: bool,
                 return_prompt_routing: bool) -> dict:
-  """One `choices[i]` entry with the sampler's extra fields."""
+  """One `choices[i]` entry with the sampler's extra fields (logprobs are always included)."""
   versions = list(completion.policy_versions)
   out = {"index": index, "text": completion.text,
-         "logprobs": (logprobs_json(tokenizer, completion.token_ids, completion.logprobs)
-                      if logprobs else None),
+         "logprobs": logprobs_json(tokenizer, completion.token_ids, completion.logprobs,
+                                   completion.top_logprobs),
          "finish_reason": completion.finish_reason,
          "token_ids": list(completion.token_ids),
          "policy_version": versions[-1] if versions else None,

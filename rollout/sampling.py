@@ -25,9 +25,9 @@ from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 _BISECT = 30
+MAX_TOP_LOGPROBS = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +44,7 @@ class SamplingParams:
     stop: strings that end a completion (checked on decoded text; excluded from `text`).
     seed: makes sampling reproducible; None draws a random seed.
     ignore_eos: do not add the engine's default end-of-sequence ids to stop_token_ids.
+    logprobs: also return this many most likely alternatives per token (0..MAX_TOP_LOGPROBS).
   """
   n: int = 1
   max_tokens: int = 16
@@ -54,17 +55,20 @@ class SamplingParams:
   stop: tuple = ()
   seed: Optional[int] = None
   ignore_eos: bool = False
+  logprobs: int = 0
 
   def __post_init__(self):
     def need(cond, msg):
       if not cond:
         raise ValueError(msg)
-    for name in ("n", "max_tokens", "top_k"):
+    for name in ("n", "max_tokens", "top_k", "logprobs"):
       v = getattr(self, name)
       need(isinstance(v, int) and not isinstance(v, bool), f"{name} must be an integer, got {v!r}")
     need(self.n >= 1, f"n must be >= 1, got {self.n}")
     need(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
     need(self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}")
+    need(0 <= self.logprobs <= MAX_TOP_LOGPROBS,
+         f"logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
     for name in ("temperature", "top_p"):
       v = getattr(self, name)
       need(isinstance(v, (int, float)) and not isinstance(v, bool) and v == v,
@@ -117,7 +121,7 @@ def row_uniform(seed, sample_index, token_index):
   return jax.vmap(one)(seed, sample_index, token_index)
 
 
-def sample(logits, temperature, top_k, top_p, seed, sample_index, token_index):
+def sample(logits, temperature, top_k, top_p, seed, sample_index, token_index, top_n: int = 0):
   """Samples one token per row.
 
   Args:
@@ -126,9 +130,11 @@ def sample(logits, temperature, top_k, top_p, seed, sample_index, token_index):
     top_k: int32 [B] (0 = off).
     top_p: float32 [B] (1 = off).
     seed: uint32 [B]; sample_index, token_index: int32 [B] (see `row_uniform`).
+    top_n: also return the top_n most likely tokens of that distribution (static; 0 = none).
 
   Returns:
-    (tokens int32 [B], logprobs float32 [B]) -- logprob under the distribution sampled from.
+    (tokens int32 [B], logprobs float32 [B], top logprobs float32 [B, top_n], top ids int32
+     [B, top_n]) -- all under the distribution sampled from (the model's for greedy rows).
   """
   greedy = temperature <= 0
   scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
@@ -142,16 +148,12 @@ def sample(logits, temperature, top_k, top_p, seed, sample_index, token_index):
   drawn = jnp.minimum(drawn, logits.shape[-1] - 1)
   tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), drawn)
   model_logp = jax.nn.log_softmax(logits, axis=-1)
-  lp = jnp.where(greedy, jnp.take_along_axis(model_logp, tokens[:, None], axis=-1)[:, 0],
-                 jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0])
-  return tokens, lp
+  used = jnp.where(greedy[:, None], model_logp, logp)
+  lp = jnp.take_along_axis(used, tokens[:, None], axis=-1)[:, 0]
+  if top_n:
+    top_lp, top_ids = jax.lax.top_k(used, top_n)
+  else:
+    top_lp = jnp.zeros((logits.shape[0], 0), jnp.float32)
+    top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
+  return tokens, lp, top_lp, top_ids.astype(jnp.int32)
 
-
-def stop_table(stop_ids: Sequence[Sequence[int]], width: int):
-  """Pads per-row stop id lists to [rows, width] with -1 (matches no token)."""
-  out = np.full((len(stop_ids), width), -1, np.int32)
-  for r, ids in enumerate(stop_ids):
-    if len(ids) > width:
-      raise ValueError(f"at most {width} stop token ids per request, got {len(ids)}")
-    out[r, :len(ids)] = ids
-  return out

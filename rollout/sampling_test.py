@@ -45,7 +45,7 @@ def _draw(logits, temp=1.0, k=0, p=1.0, seed=0, sample=0, tindex=0):
   return sampling.sample(jnp.asarray(logits), jnp.full(b, temp, jnp.float32),
                          jnp.full(b, k, jnp.int32), jnp.full(b, p, jnp.float32),
                          jnp.full(b, seed, jnp.uint32), jnp.full(b, sample, jnp.int32),
-                         jnp.full(b, tindex, jnp.int32))
+                         jnp.full(b, tindex, jnp.int32))[:2]
 
 
 def test_logprob_is_under_the_sampling_distribution():
@@ -58,6 +58,24 @@ def test_logprob_is_under_the_sampling_distribution():
     want = z - np.log(np.exp(z - z.max()).sum()) - z.max()
     assert keep[int(tok[0])]
     np.testing.assert_allclose(float(lp[0]), want[int(tok[0])], atol=1e-5)
+
+
+def test_top_alternatives_are_the_most_likely_under_the_sampled_law():
+  logits = np.random.default_rng(2).normal(size=(3, 40)).astype(np.float32)
+  b = 3
+  tok, lp, top_lp, top_ids = sampling.sample(
+      jnp.asarray(logits), jnp.full(b, 0.7), jnp.full(b, 4, jnp.int32), jnp.ones(b),
+      jnp.zeros(b, jnp.uint32), jnp.zeros(b, jnp.int32), jnp.zeros(b, jnp.int32), top_n=5)
+  for r in range(b):
+    scaled = logits[r] / 0.7
+    keep = _reference_mask(scaled, 4, 1.0)
+    z = np.where(keep, scaled, -np.inf)
+    want = z - z.max() - np.log(np.exp(z - z.max()).sum())
+    order = np.argsort(-want, kind="stable")[:5]
+    np.testing.assert_array_equal(np.asarray(top_ids[r, :4]), order[:4])
+    np.testing.assert_allclose(np.asarray(top_lp[r, :4]), want[order[:4]], atol=1e-5)
+    assert np.isneginf(np.asarray(top_lp[r, 4]))  # only 4 tokens survive top-k
+    assert int(tok[r]) in order[:4].tolist()
 
 
 def test_greedy_is_argmax_with_model_logprob():

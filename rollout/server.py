@@ -192,7 +192,6 @@ class Server:
       return _json_error(504, f"request timed out after {timeout} s", "timeout_error")
     n = req["params"].n
     choices = [protocol.choice_json(pi * n + c.index, c, self.tokenizer,
-                                    logprobs=req["logprobs"],
                                     return_routing=req["return_routing"],
                                     return_prompt_routing=req["return_prompt_routing"])
                for pi, r in enumerate(results) for c in r]
@@ -235,7 +234,7 @@ class Server:
         sent_text[idx] = prev + text
       if toks:
         await send({"index": idx, "text": text, "token_ids": toks,
-                    "logprobs": ({"token_logprobs": lps} if req["logprobs"] else None),
+                    "logprobs": protocol.logprobs_json(self.tokenizer, toks, lps),
                     "finish_reason": None})
       if reason is not None:
         ended += 1

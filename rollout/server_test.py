@@ -89,6 +89,18 @@ def test_openai_client_completions(client, live):
   assert routing.shape == (eng.model_config.num_moe_layers, 6, 2)
   assert ch.model_extra["policy_version"] == eng.version
   assert r.usage.completion_tokens == 6 and r.usage.prompt_tokens == 4
+  # Without 'logprobs' the sampled-token logprobs still come back; with 'logprobs': 2 also the
+  # two most likely alternatives (greedy: the sampled token is the first of them).
+  plain = client.completions.create(model="tiny", prompt=[5, 17, 200, 3], max_tokens=6,
+                                    temperature=0)
+  assert plain.choices[0].logprobs.token_logprobs == ch.logprobs.token_logprobs
+  top = client.completions.create(model="tiny", prompt=[5, 17, 200, 3], max_tokens=6,
+                                  temperature=0, logprobs=2).choices[0]
+  ids = top.logprobs.model_extra["top_logprob_ids"]
+  assert [len(t) for t in ids] == [2] * 6
+  assert [t[0][0] for t in ids] == ref.token_ids
+  np.testing.assert_allclose([t[0][1] for t in ids], ref.logprobs, atol=1e-6)
+  assert all(t[0][1] >= t[1][1] for t in ids)
   r = client.completions.create(model="tiny", prompt=["Hello", "Bye"], max_tokens=3, n=2,
                                 seed=7, temperature=1.0, extra_body={"top_k": 10})
   assert [c.index for c in r.choices] == [0, 1, 2, 3]
@@ -129,7 +141,7 @@ def test_streaming_matches_plain(client):
     ({"prompt": [1], "n": 5}, "slots"),
     ({"prompt": [1], "top_p": 0}, "top_p"),
     ({"prompt": [1], "stop": [""]}, "stop"),
-    ({"prompt": [1], "logprobs": 3}, "logprobs"),
+    ({"prompt": [1], "logprobs": 6}, "logprobs"),
     ({"prompt": [1], "stream": "yes"}, "stream"),
     ([1, 2], "JSON object"),
 ])
