@@ -24,6 +24,7 @@ from pipeline import samplers as samplers_lib
 from pipeline.config import PipelineConfig
 from pipeline.learner_loop import LearnerLoop
 from pipeline.step_batches import StepBatcher
+from moe import checkpoint as moe_checkpoint
 from moe.tokenizer import ByteTokenizer
 from rl import trajectory_io
 from rl.episodes import ValidationSpec
@@ -38,8 +39,10 @@ log = logging.getLogger(__name__)
 class WeightChannel:
   """Learner -> samplers: a sync.Publisher over a store; checks version numbers line up."""
 
-  def __init__(self, url: str, *, snapshot_every: int = 20):
+  def __init__(self, url: str, *, snapshot_every: int = 20, model_cfg=None):
     self.store = store_lib.Store(url)
+    self.model_info = {} if model_cfg is None else {
+        "model_config": moe_checkpoint.config_to_json(model_cfg)}
     self.publisher = publisher_lib.Publisher(self.store, snapshot_every=snapshot_every)
     self.reports = []
 
@@ -51,9 +54,23 @@ class WeightChannel:
     if version != expect:
       raise RuntimeError(f"learner version {version} does not follow the published "
                          f"{self.publisher.version}")
-    report = self.publisher.publish(flat, {"learner_version": int(version)})
+    report = self.publisher.publish(flat, {"learner_version": int(version), **self.model_info})
     self.reports.append(report)
     return report
+
+
+def check_capacity(tasks: Sequence, config: PipelineConfig, tokenizer=None) -> None:
+  """Raises ValueError unless a step's episodes surely fit its [batch_rows, seq_len] batch."""
+  tok = tokenizer or ByteTokenizer()
+  longest = 1 + max(len(tok.encode(t.prompt)) for t in tasks) + config.max_new_tokens
+  if longest > config.seq_len:
+    raise ValueError(f"an episode can take {longest} tokens (prompt + max_new_tokens) but "
+                     f"seq_len is {config.seq_len}")
+  per_row = config.seq_len // longest
+  need = -(-config.episodes_per_step // per_row)
+  if config.batch_rows < need:
+    raise ValueError(f"{config.episodes_per_step} episodes of up to {longest} tokens need "
+                     f"{need} rows of {config.seq_len}; batch_rows is {config.batch_rows}")
 
 
 def _swap_into(engine):
@@ -113,11 +130,13 @@ def run(*, learner, tasks: Sequence, pool, workdir: str, config: PipelineConfig,
       latest checkpoint and the pipeline carries on (samplers and controller keep running).
   """
   t_start = time.perf_counter()
+  check_capacity(tasks, config)
   stop = stop or threading.Event()
   os.makedirs(workdir, exist_ok=True)
   traj_dir = os.path.join(workdir, "trajectories")
-  channel = WeightChannel("file://" + os.path.join(os.path.abspath(workdir), "weights"))
   cfg = learner.model_cfg
+  channel = WeightChannel("file://" + os.path.join(os.path.abspath(workdir), "weights"),
+                          model_cfg=cfg)
   spec = ValidationSpec(vocab_size=cfg.vocab_size, max_len=config.seq_len,
                         routing_shape=(cfg.num_moe_layers, cfg.num_experts_per_tok),
                         num_experts=cfg.num_experts, require_routing=include_routing)

@@ -76,24 +76,24 @@ class HttpSampler:
     body = {"model": "policy", "prompt": [int(t) for t in prompt_ids], "n": params.n,
             "max_tokens": params.max_tokens, "temperature": params.temperature,
             "top_p": params.top_p, "seed": params.seed, "logprobs": 1,
-            "stop_token_ids": list(params.stop_token_ids), "return_routing": True}
+            "stop_token_ids": list(params.stop_token_ids), "return_routing": True,
+            "return_prompt_routing": True}
+    if timeout is not None:
+      body["timeout"] = timeout
     if params.stop:
       body["stop"] = list(params.stop)
-    out = self._post("/v1/completions", body, timeout)
+    out = self._post("/v1/completions", body, None if timeout is None else timeout + 30)
+
+    def arr(x):  # [moe_layers][positions][k] lists -> uint8 array
+      return None if x is None else np.asarray(x, np.uint8)
+
     comps = []
     for ch in sorted(out["choices"], key=lambda c: c["index"]):
-      versions = ch.get("policy_versions") or [ch["policy_version"]] * len(ch["token_ids"])
-      routing = ch.get("routing")
-      prompt_routing = ch.get("prompt_routing")
       comps.append(Completion(
           token_ids=list(ch["token_ids"]), logprobs=list(ch["logprobs"]["token_logprobs"]),
-          routing=None if routing is None else np.asarray(routing, np.uint8).transpose(1, 0, 2)
-          if np.ndim(routing) == 3 and np.shape(routing)[0] == len(ch["token_ids"])
-          else None if routing is None else np.asarray(routing, np.uint8),
-          policy_versions=list(versions), finish_reason=ch.get("finish_reason") or "stop",
-          text=ch.get("text", ""), index=ch["index"],
-          prompt_routing=None if prompt_routing is None else np.asarray(prompt_routing,
-                                                                        np.uint8)))
+          routing=arr(ch.get("routing")), policy_versions=list(ch["policy_versions"]),
+          finish_reason=ch.get("finish_reason") or "stop", text=ch.get("text", ""),
+          index=ch["index"], prompt_routing=arr(ch.get("prompt_routing"))))
     return comps
 
   def submit(self, prompt_ids, params: SamplingParams, timeout: Optional[float] = None):
@@ -102,7 +102,7 @@ class HttpSampler:
   def version(self) -> int:
     with urllib.request.urlopen(self.base_url + "/metrics", timeout=5) as r:
       for line in r.read().decode().splitlines():
-        if line.startswith("policy_version") or line.startswith("rollout_policy_version"):
+        if line.startswith("rollout_policy_version"):
           return int(float(line.split()[-1]))
     raise SamplerDown(f"{self.name}: /metrics has no policy_version")
 

@@ -1,0 +1,159 @@
+"""The pipeline's parts as separate processes: learner, sampler and controller.
+
+Each function below is the body of one Bazel binary in tools/ (rl_learner, rl_sampler,
+rl_controller). They meet through a shared work directory:
+  <workdir>/trajectories/   record files (controller writes, learner reads)
+  <workdir>/weights/        the sync store (learner publishes, samplers subscribe)
+  <workdir>/checkpoints/    the learner's checkpoints (train state + reader position)
+and the controller reaches the samplers over HTTP (their OpenAI-compatible API). Any part can be
+killed and restarted: the learner restores its checkpoint, a sampler reloads the newest published
+weights, the controller resumes after the last group it wrote.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Optional, Sequence
+
+from moe.config import ModelConfig
+from pipeline.config import PipelineConfig
+
+log = logging.getLogger(__name__)
+
+
+def paths(workdir: str) -> dict:
+  w = os.path.abspath(workdir)
+  return {"trajectories": os.path.join(w, "trajectories"),
+          "weights": "file://" + os.path.join(w, "weights"),
+          "checkpoints": os.path.join(w, "checkpoints")}
+
+
+def run_learner(workdir: str, model_cfg: ModelConfig, config: PipelineConfig, *, steps: int,
+                learning_rate: float = 1e-4, init_checkpoint: Optional[str] = None,
+                checkpoint_every: int = 1, seed: int = 0) -> int:
+  """Trains until `steps` learner steps are done; returns the final step."""
+  from moe import checkpoint as moe_checkpoint  # pylint: disable=g-import-not-at-top
+  from moe import sharding  # pylint: disable=g-import-not-at-top
+  from pipeline.learner_loop import LearnerLoop  # pylint: disable=g-import-not-at-top
+  from pipeline.local import WeightChannel  # pylint: disable=g-import-not-at-top
+  from pipeline.step_batches import StepBatcher  # pylint: disable=g-import-not-at-top
+  from rl.checkpointing import CheckpointManager  # pylint: disable=g-import-not-at-top
+  from rl.episodes import ValidationSpec  # pylint: disable=g-import-not-at-top
+  from rl.learner import Learner  # pylint: disable=g-import-not-at-top
+  from rl.train_state import OptimizerConfig  # pylint: disable=g-import-not-at-top
+  from rl.train_step import LossConfig  # pylint: disable=g-import-not-at-top
+  p = paths(workdir)
+  init = moe_checkpoint.load_model(init_checkpoint) if init_checkpoint else None
+  if init is not None:
+    model_cfg = init.config
+  learner = Learner(model_cfg, mesh=sharding.make_mesh((1, 1, 1, 1)), init_model=init,
+                    seed=seed, sampler_dtype="float32",
+                    opt_cfg=OptimizerConfig(learning_rate=learning_rate),
+                    loss_cfg=LossConfig(objective="policy", max_staleness=config.max_staleness))
+  spec = ValidationSpec(vocab_size=model_cfg.vocab_size, max_len=config.seq_len,
+                        routing_shape=(model_cfg.num_moe_layers, model_cfg.num_experts_per_tok),
+                        num_experts=model_cfg.num_experts, require_routing=True)
+  channel = WeightChannel(p["weights"], model_cfg=model_cfg)
+  ckpt = CheckpointManager(p["checkpoints"], max_to_keep=2)
+  loop = LearnerLoop(learner, StepBatcher(p["trajectories"], config=config, spec=spec),
+                     publish=channel.publish, published_version=channel.latest,
+                     checkpoints=ckpt, checkpoint_every=checkpoint_every,
+                     on_step=lambda s, m, i: print(
+                         f"learner step {s} loss {m['loss']:.4f} max lag {i['max_lag']}",
+                         flush=True))
+  if loop.restore():
+    print(f"learner restored at step {learner.step}", flush=True)
+  loop.run(steps)
+  ckpt.wait()
+  ckpt.close()
+  return learner.step
+
+
+def wait_for_weights(store_url: str, timeout_s: float = 600.0):
+  """(flat weights, version) once the learner has published anything."""
+  from sync import publisher as publisher_lib  # pylint: disable=g-import-not-at-top
+  from sync import store as store_lib  # pylint: disable=g-import-not-at-top
+  store = store_lib.Store(store_url)
+  t0 = time.monotonic()
+  while True:
+    if publisher_lib.read_index(store).latest is not None:
+      return store, publisher_lib.restore(store)
+    if time.monotonic() - t0 > timeout_s:
+      raise TimeoutError(f"no weights were published to {store_url} in {timeout_s}s")
+    time.sleep(0.2)
+
+
+def run_sampler(workdir: str, *, port: int, max_slots: int = 64, max_len: int = 256,
+                sync_interval_s: float = 0.05) -> None:
+  """Serves the newest published weights over HTTP and follows new versions (blocking)."""
+  from moe.tokenizer import ByteTokenizer  # pylint: disable=g-import-not-at-top
+  from pipeline.local import _swap_into  # pylint: disable=g-import-not-at-top
+  from rollout import server  # pylint: disable=g-import-not-at-top
+  from rollout.engine import Engine, EngineConfig  # pylint: disable=g-import-not-at-top
+  from sync import publisher as publisher_lib  # pylint: disable=g-import-not-at-top
+  from sync import subscriber as subscriber_lib  # pylint: disable=g-import-not-at-top
+  store, (flat, version) = wait_for_weights(paths(workdir)["weights"])
+  cfg = _model_config_of(store, version)
+  tok = ByteTokenizer()
+  engine = Engine.from_flat(flat, cfg, version=version, tokenizer=tok,
+                            config=EngineConfig(max_slots=max_slots, max_len=max_len,
+                                                eos_token_ids=(tok.eos_id,)))
+  sub = subscriber_lib.Subscriber(store, _swap_into(engine))
+  sub.weights, sub.version = flat, version
+  sub.digest = publisher_lib.read_manifest(store, version).digest
+  stop = threading.Event()
+  threading.Thread(target=sub.run, args=(stop, sync_interval_s), daemon=True).start()
+  try:
+    server.serve(engine, port=port)
+  finally:
+    stop.set()
+    engine.stop()
+
+
+def _model_config_of(store, version: int) -> ModelConfig:
+  from moe import checkpoint as moe_checkpoint  # pylint: disable=g-import-not-at-top
+  from sync import publisher as publisher_lib  # pylint: disable=g-import-not-at-top
+  info = publisher_lib.read_manifest(store, version).info
+  if "model_config" not in info:
+    raise ValueError("the published manifest carries no model_config")
+  return moe_checkpoint.config_from_json(info["model_config"])
+
+
+def run_controller(workdir: str, sampler_urls: Sequence[str], config: PipelineConfig, *,
+                   steps: int, pool_size: int = 8, num_tasks: Optional[int] = None) -> int:
+  """Produces the groups of `steps` learner steps through the samplers; returns groups written."""
+  from envs import pool as pool_lib  # pylint: disable=g-import-not-at-top
+  from envs import suite_pyfunc  # pylint: disable=g-import-not-at-top
+  from pipeline import controller as controller_lib  # pylint: disable=g-import-not-at-top
+  from pipeline import samplers as samplers_lib  # pylint: disable=g-import-not-at-top
+  from rl import trajectory_io  # pylint: disable=g-import-not-at-top
+  p = paths(workdir)
+  tasks = suite_pyfunc.split(suite_pyfunc.generate(), "train")[:num_tasks]
+  os.makedirs(p["trajectories"], exist_ok=True)
+  done = sum(len(trajectory_io.read_shard(os.path.join(p["trajectories"], s)))
+             for s in trajectory_io.list_shards(p["trajectories"]))
+  if done % config.attempts:
+    raise ValueError(f"{done} records is not a whole number of groups of {config.attempts}")
+  sampler_set = samplers_lib.SamplerSet(
+      [samplers_lib.HttpSampler(u, name=u) for u in sampler_urls],
+      max_attempts=config.max_request_attempts)
+  writer = trajectory_io.TrajectoryWriter(p["trajectories"], f"controller-{int(time.time())}",
+                                          records_per_shard=config.attempts)
+
+  def sink(episodes):
+    writer.write_all(episodes)
+    writer.flush()
+
+  pool = pool_lib.WarmPool(size=pool_size)
+  try:
+    ctl = controller_lib.RolloutController(
+        tasks, sampler_set, pool, sink, config=config,
+        on_group=lambda g: print(f"group {g.index} {g.task_id} rewards {g.rewards}", flush=True))
+    ctl.groups_written = done // config.attempts
+    return ctl.run(steps)
+  finally:
+    writer.close()
+    pool.close()

@@ -1,0 +1,102 @@
+"""The pipeline as separate processes (learner, two samplers, controller) over a shared work
+directory and HTTP; one sampler is killed mid-run and its requests go to the other."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+
+import pytest
+
+from rl import trajectory_io
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _spawn(code: str, log_path: str) -> subprocess.Popen:
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+             PYTHONUNBUFFERED="1")
+  f = open(log_path, "w")
+  return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env, stdout=f,
+                          stderr=subprocess.STDOUT, start_new_session=True)
+
+
+PRELUDE = """
+import logging
+logging.basicConfig(level=logging.WARNING)
+from pipeline import processes, testing
+cfg = testing.config(max_staleness=1)
+"""
+
+
+def _wait_http(url, proc, log, timeout=300):
+  t0 = time.time()
+  while time.time() - t0 < timeout:
+    if proc.poll() is not None:
+      raise AssertionError(f"sampler exited: {open(log).read()[-3000:]}")
+    try:
+      with urllib.request.urlopen(url + "/health", timeout=2):
+        return
+    except OSError:
+      time.sleep(0.5)
+  raise AssertionError(f"sampler did not come up: {open(log).read()[-3000:]}")
+
+
+def test_separate_processes_with_a_sampler_killed(tmp_path):
+  work = str(tmp_path / "work")
+  logs = {n: str(tmp_path / f"{n}.log") for n in ("learner", "s0", "s1", "controller")}
+  procs = {}
+  try:
+    procs["learner"] = _spawn(PRELUDE + f"""
+processes.run_learner({work!r}, testing.MODEL, cfg, steps=3, learning_rate=1e-3)
+""", logs["learner"])
+    ports = [_free_port(), _free_port()]
+    for i, port in enumerate(ports):
+      procs[f"s{i}"] = _spawn(PRELUDE + f"""
+processes.run_sampler({work!r}, port={port}, max_slots=8, max_len=128)
+""", logs[f"s{i}"])
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    for i, u in enumerate(urls):
+      _wait_http(u, procs[f"s{i}"], logs[f"s{i}"])
+    procs["controller"] = _spawn(PRELUDE + f"""
+n = processes.run_controller({work!r}, {urls!r}, cfg, steps=3, pool_size=2, num_tasks=6)
+print("groups written", n)
+""", logs["controller"])
+    # Kill sampler 0 as soon as the controller has sent it work.
+    t0 = time.time()
+    while time.time() - t0 < 300:
+      with urllib.request.urlopen(urls[0] + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+      if any(l.startswith("rollout_requests_total") and float(l.split()[-1]) > 0
+             for l in text.splitlines()):
+        break
+      time.sleep(0.05)
+    os.killpg(procs["s0"].pid, signal.SIGKILL)
+    assert procs["controller"].wait(timeout=600) == 0, open(logs["controller"]).read()[-3000:]
+    assert procs["learner"].wait(timeout=600) == 0, open(logs["learner"]).read()[-3000:]
+  finally:
+    for p in procs.values():
+      if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+  out = open(logs["controller"]).read()
+  assert "groups written 6" in out
+  learner_out = open(logs["learner"]).read()
+  assert "learner step 3" in learner_out
+  d = os.path.join(work, "trajectories")
+  gids = [r["group_id"] for s in trajectory_io.list_shards(d)
+          for r in trajectory_io.read_shard(os.path.join(d, s))]
+  assert len(gids) == 6 * 4 and len(set(gids)) == 6  # every group once, 4 attempts each
+
+
+if __name__ == "__main__":
+  sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))

@@ -1,0 +1,71 @@
+"""One part of the asynchronous RL pipeline as its own process (see pipeline/processes.py).
+
+  bazel run //tools:rl_part -- learner --workdir=/tmp/rl --steps=60 [--init_checkpoint=DIR]
+  bazel run //tools:rl_part -- sampler --workdir=/tmp/rl --port=8101
+  bazel run //tools:rl_part -- controller --workdir=/tmp/rl --steps=60 \
+      --samplers=http://127.0.0.1:8101,http://127.0.0.1:8102
+
+Pipeline settings (shared by learner and controller) come from gin: `--gin_file` (default
+tools/configs/experiments/default.gin, whose model and PipelineConfig are used) and `--gin.X=V`.
+Under the launcher (//tools:launch), `--samplers=@sampler_0,@sampler_1` resolves job names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+DEFAULT_EXPERIMENT = "tools/configs/experiments/default.gin"
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("part", choices=("learner", "sampler", "controller"))
+  p.add_argument("--workdir", required=True)
+  p.add_argument("--steps", type=int, default=None, help="learner steps (default: RLConfig)")
+  p.add_argument("--init_checkpoint", default=None)
+  p.add_argument("--port", type=int, default=0)
+  p.add_argument("--samplers", default="", help="comma-separated sampler URLs or @job names")
+  p.add_argument("--gin_file", action="append", default=None)
+  args, rest = p.parse_known_args(sys.argv[1:] if argv is None else argv)
+  bindings = [a[len("--gin."):] for a in rest if a.startswith("--gin.")]
+  unknown = [a for a in rest if not a.startswith("--gin.")]
+  if unknown:
+    p.error(f"unknown arguments {unknown}")
+  logging.basicConfig(level=logging.WARNING)
+  from pipeline import processes  # pylint: disable=g-import-not-at-top
+  from tools import configs  # pylint: disable=g-import-not-at-top
+  try:
+    cfg = configs.load_experiment(args.gin_file or [DEFAULT_EXPERIMENT], bindings)
+  except configs.ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  steps = args.steps if args.steps is not None else cfg.rl.steps
+  if args.part == "learner":
+    processes.run_learner(args.workdir, cfg.model, cfg.rl.pipeline, steps=steps,
+                          learning_rate=cfg.rl.learning_rate,
+                          init_checkpoint=args.init_checkpoint, seed=cfg.seed)
+  elif args.part == "sampler":
+    port = args.port
+    if not port:
+      from launch import discovery  # pylint: disable=g-import-not-at-top
+      port = discovery.my_port()
+    processes.run_sampler(args.workdir, port=port, max_slots=cfg.rl.sampler_slots,
+                          max_len=cfg.model.max_seq_len)
+  else:
+    urls = []
+    for s in filter(None, args.samplers.split(",")):
+      if s.startswith("@"):
+        from launch import discovery  # pylint: disable=g-import-not-at-top
+        s = "http://" + discovery.address_of(s[1:])
+      urls.append(s)
+    if not urls:
+      p.error("the controller needs --samplers")
+    processes.run_controller(args.workdir, urls, cfg.rl.pipeline, steps=steps,
+                             pool_size=cfg.sandbox_pool)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
