@@ -83,7 +83,7 @@ def run_mode(name, k, model, tasks, pool, args, workdir):
   from moe import sharding  # pylint: disable=g-import-not-at-top
   from rollout.engine import EngineConfig  # pylint: disable=g-import-not-at-top
   cfg = PipelineConfig(max_staleness=k, prompts_per_step=args.prompts, attempts=args.attempts,
-                       max_new_tokens=args.max_new_tokens, seq_len=128,
+                       max_new_tokens=args.max_new_tokens, seq_len=256,
                        batch_rows=args.prompts * args.attempts // 2,
                        grade_workers=args.grade_workers, seed=args.seed)
   learner = Learner(model.config, mesh=sharding.make_mesh((1, 1, 1, 1)), init_model=model,
