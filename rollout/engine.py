@@ -86,7 +86,7 @@ class EngineConfig:
   prefill_rows: int = 8
   min_prefill_len: int = 16
   length_bucket: int = 64
-  capacity_factors: tuple = (1.0, 1.25, 1.5, 2.0)
+  capacity_factors: tuple = (1.0, 1.125, 1.25, 1.375, 1.5, 1.75, 2.0, 2.5)
   dtype: Optional[str] = "float32"
   eos_token_ids: tuple = ()
   max_stop_ids: int = 8
@@ -594,6 +594,7 @@ class Engine:
         m += 1
     caps = forward.capacity_tiers(rows * length, cfg, ec.capacity_factors, ec.deterministic)
     top_n = MAX_TOP_LOGPROBS if any(h.params.logprobs for h, _ in batch) else 0
+    t0 = time.perf_counter()
     try:
       self._ck, self._cv, tok, lp, routing, top_lp, top_ids = kernels.prefill_into_slots(
           self._params, self._ck, self._cv, tokens, lengths, dst, src, temp, top_k, top_p, seed,
@@ -605,6 +606,7 @@ class Engine:
         h.future.set_exception(e)
       raise
     self.stats["prefill_calls_total"] += 1
+    self.stats["prefill_seconds_total"] += time.perf_counter() - t0
     self.stats["prompt_tokens_total"] += int(lengths[:len(batch)].sum())
     st = self._slots
     m = 0
@@ -650,11 +652,13 @@ class Engine:
     caps = forward.capacity_tiers(nb, cfg, ec.capacity_factors, ec.deterministic)
     top_n = MAX_TOP_LOGPROBS if any(self._owner[i][0].params.logprobs for i in owned) else 0
     version = self.version
+    t0 = time.perf_counter()
     self._ck, self._cv, carried, outs = kernels.decode_chunk(
         self._params, self._ck, self._cv, st, cfg=cfg, nb=nb, sv=sv, steps=ec.decode_steps,
         caps=caps, top_n=top_n)
     outs = jax.device_get(outs)
     carried = jax.device_get(carried)
+    self.stats["decode_seconds_total"] += time.perf_counter() - t0
     for k, v in carried.items():
       st[k][:nb] = v
     valid, toks, lps, routing = outs["valid"], outs["tokens"], outs["logprobs"], outs["routing"]

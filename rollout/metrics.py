@@ -29,6 +29,10 @@ _METRICS = (
     ("swaps_total", "rollout_swaps_total", "counter", "Weight swaps applied."),
     ("decode_calls_total", "rollout_decode_calls_total", "counter", "Decode device calls."),
     ("prefill_calls_total", "rollout_prefill_calls_total", "counter", "Prefill device calls."),
+    ("decode_seconds_total", "rollout_decode_seconds_total", "counter",
+     "Wall time in decode device calls."),
+    ("prefill_seconds_total", "rollout_prefill_seconds_total", "counter",
+     "Wall time in prefill device calls."),
 )
 
 
