@@ -98,8 +98,11 @@ def pretrain(cfg: ExperimentConfig, run_dir: str, all_tasks, mesh, *,
 
 
 def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
-        echo: Callable[[str], None] = print) -> dict:
-  """Runs the experiment; returns the summary (also written to run_dir/summary.json)."""
+        echo: Callable[[str], None] = print, evaluate: bool = True) -> dict:
+  """Runs the experiment; returns the summary (also written to run_dir/summary.json).
+
+  With evaluate=False only the training phases run (the `//tools:train` entry point).
+  """
   t_start = time.time()
   os.makedirs(run_dir, exist_ok=True)
   with open(os.path.join(run_dir, "config.json"), "w", encoding="utf-8") as f:
@@ -120,14 +123,15 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
 
     # -- 2. held-out evaluation before RL ------------------------------------------------------
     t0 = time.time()
-    before, b_pass, b_total = _eval(model, heldout, cfg, pool,
-                                    os.path.join(run_dir, "eval_before.jsonl"))
-    rep.log("eval", 0, {"pass1": b_pass / b_total, "passed": b_pass, "samples": b_total,
-                        **{f"pass@{k}": v for k, v in before.pass_at_k.items() if v is not None}},
-            advance=0)
-    echo(f"held-out before RL: {b_pass}/{b_total} samples pass "
-         f"({len(heldout)} tasks x {cfg.eval.samples}), solved {before.solved}/{len(heldout)}")
-    timings["eval_before_s"] = time.time() - t0
+    if evaluate:
+      before, b_pass, b_total = _eval(model, heldout, cfg, pool,
+                                      os.path.join(run_dir, "eval_before.jsonl"))
+      rep.log("eval", 0, {"pass1": b_pass / b_total, "passed": b_pass, "samples": b_total,
+                          **{f"pass@{k}": v for k, v in before.pass_at_k.items()
+                             if v is not None}}, advance=0)
+      echo(f"held-out before RL: {b_pass}/{b_total} samples pass "
+           f"({len(heldout)} tasks x {cfg.eval.samples}), solved {before.solved}/{len(heldout)}")
+      timings["eval_before_s"] = time.time() - t0
 
     # -- 3. asynchronous RL on the train split ---------------------------------------------------
     t0 = time.time()
@@ -173,12 +177,13 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
 
     # -- 4. held-out evaluation after RL ------------------------------------------------------
     t0 = time.time()
-    after, a_pass, a_total = _eval(rl_learner.model(), heldout, cfg, pool,
-                                   os.path.join(run_dir, "eval_after.jsonl"))
-    rep.log("eval", max(r.steps, 1), {
-        "pass1": a_pass / a_total, "passed": a_pass, "samples": a_total,
-        **{f"pass@{k}": v for k, v in after.pass_at_k.items() if v is not None}}, advance=0)
-    timings["eval_after_s"] = time.time() - t0
+    if evaluate:
+      after, a_pass, a_total = _eval(rl_learner.model(), heldout, cfg, pool,
+                                     os.path.join(run_dir, "eval_after.jsonl"))
+      rep.log("eval", max(r.steps, 1), {
+          "pass1": a_pass / a_total, "passed": a_pass, "samples": a_total,
+          **{f"pass@{k}": v for k, v in after.pass_at_k.items() if v is not None}}, advance=0)
+      timings["eval_after_s"] = time.time() - t0
     moe_checkpoint.save_params(rl_learner.model(), os.path.join(run_dir, "final_model"))
   finally:
     pool.close()
@@ -187,23 +192,26 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
   summary = {
       "heldout_tasks": len(heldout), "train_tasks": len(train),
       "samples_per_task": cfg.eval.samples,
-      "before": {"passed": b_pass, "samples": b_total, "pass_at_k": before.pass_at_k,
-                 "solved": before.solved},
-      "after": {"passed": a_pass, "samples": a_total, "pass_at_k": after.pass_at_k,
-                "solved": after.solved},
       "timings_s": {k: round(v, 1) for k, v in timings.items()},
-      "total_s": round(time.time() - t_start, 1),
       "plots": [os.path.basename(x) for x in plots],
+      "final_model": os.path.join(run_dir, "final_model"),
   }
+  rows = []
+  if evaluate:
+    summary["before"] = {"passed": b_pass, "samples": b_total, "pass_at_k": before.pass_at_k,
+                         "solved": before.solved}
+    summary["after"] = {"passed": a_pass, "samples": a_total, "pass_at_k": after.pass_at_k,
+                        "solved": after.solved}
+    rows += [("held-out tasks", f"{len(heldout)} ({cfg.eval.samples} samples each, "
+                                f"temperature {cfg.eval.temperature})"),
+             ("pass@1 before RL", f"{b_pass}/{b_total} = {b_pass / b_total:.3f}"),
+             ("pass@1 after RL", f"{a_pass}/{a_total} = {a_pass / a_total:.3f}"),
+             ("solved before / after", f"{before.solved} / {after.solved} of {len(heldout)}")]
+  summary["total_s"] = round(time.time() - t_start, 1)
   with open(os.path.join(run_dir, "summary.json"), "w", encoding="utf-8") as f:
     json.dump(summary, f, indent=1, default=str)
-  rows = [("held-out tasks", f"{len(heldout)} ({cfg.eval.samples} samples each, "
-                             f"temperature {cfg.eval.temperature})"),
-          ("pass@1 before RL", f"{b_pass}/{b_total} = {b_pass / b_total:.3f}"),
-          ("pass@1 after RL", f"{a_pass}/{a_total} = {a_pass / a_total:.3f}"),
-          ("solved before / after", f"{before.solved} / {after.solved} of {len(heldout)}")]
   rows += [(k.replace("_s", " (s)"), f"{v:.0f}") for k, v in timings.items()]
-  rows += [("run directory", run_dir)]
+  rows += [("total (s)", f"{summary['total_s']:.0f}"), ("run directory", run_dir)]
   echo(reporting.summary_table(rows))
   return summary
 

@@ -44,7 +44,7 @@ def default_run_dir() -> str:
   return os.path.join(root, "runs", time.strftime("%Y%m%d-%H%M%S"))
 
 
-def main(argv=None) -> int:
+def main(argv=None, *, evaluate: bool = True) -> int:
   args, bindings = parse_args(sys.argv[1:] if argv is None else argv)
   from tools import configs  # pylint: disable=g-import-not-at-top
   try:
@@ -56,8 +56,11 @@ def main(argv=None) -> int:
   from experiment import run as run_lib  # pylint: disable=g-import-not-at-top
   run_dir = args.run_dir or default_run_dir()
   print(f"run directory: {run_dir}", flush=True)
-  summary = run_lib.run(cfg, run_dir, progress=not args.no_progress)
-  print(run_lib.final_line(summary), flush=True)
+  summary = run_lib.run(cfg, run_dir, progress=not args.no_progress, evaluate=evaluate)
+  if evaluate:
+    print(run_lib.final_line(summary), flush=True)
+  else:
+    print(f"final model: {summary['final_model']}", flush=True)
   return 0
 
 
