@@ -232,6 +232,7 @@ class Engine:
     self._queued_completions = 0
     self._cv_lock = threading.Condition()
     self._pending_swap = None
+    self._retired = None
     self._stopping = False
     self._thread: Optional[threading.Thread] = None
     self._rng = np.random.default_rng()
@@ -462,6 +463,9 @@ class Engine:
 
   def _apply_swap(self, swap, last_chunk_end) -> None:
     new_params, flat, version, done, result = swap
+    # Freeing the old weights (GBs) takes long; keep them until the next device call is queued,
+    # so that the free overlaps with its compute instead of pausing decoding.
+    self._retired = (self._params, self._flat)
     self._params = new_params
     self._flat = flat
     self.version = version
@@ -656,6 +660,7 @@ class Engine:
     self._ck, self._cv, carried, outs = kernels.decode_chunk(
         self._params, self._ck, self._cv, st, cfg=cfg, nb=nb, sv=sv, steps=ec.decode_steps,
         caps=caps, top_n=top_n)
+    self._retired = None  # the call is queued (async dispatch): free old weights meanwhile
     outs = jax.device_get(outs)
     carried = jax.device_get(carried)
     self.stats["decode_seconds_total"] += time.perf_counter() - t0

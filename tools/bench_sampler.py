@@ -193,6 +193,39 @@ def one_billion_config() -> ModelConfig:
                      param_dtype="bfloat16", dtype="bfloat16")
 
 
+def markdown(report: dict) -> str:
+  """The report as the tables of BENCHMARKS.md."""
+  lines = ["| batch | transformers tok/s (threads) | ours tok/s | speedup | ours deterministic "
+           "tok/s | speedup | batch latency s: transformers / ours / det. | ours TTFT s | "
+           "greedy = transformers | load avg |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+  for r in report["throughput"]:
+    lines.append(
+        f"| {r['batch']} | {r['transformers_tok_s']:,.0f} ({r['transformers_threads']}) | "
+        f"{r['ours_tok_s']:,.0f} | {r['ours_speedup']:.2f}x | "
+        f"{r['ours_deterministic_tok_s']:,.0f} | {r['ours_deterministic_speedup']:.2f}x | "
+        f"{r['transformers_latency_s']:.2f} / {r['ours_latency_s']:.2f} / "
+        f"{r['ours_deterministic_latency_s']:.2f} | {r['ours_ttft_s']:.3f} | "
+        f"{r['ours_greedy_match_seqs']:.0%} of sequences | {r['loadavg_1m']:.1f} |")
+  lines += ["", "| sampler | tokens | max abs dlogprob | mean abs dlogprob | bit-identical | "
+            "KL k1 | KL k3 | routing agreement | max abs dlogprob, free routing |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+  for name, a in report["agreement"].items():
+    lines.append(f"| {name} | {a['tokens']} | {a['max_abs_dlogprob']:.2e} | "
+                 f"{a['mean_abs_dlogprob']:.2e} | {a['bit_identical_fraction']:.1%} | "
+                 f"{a['kl_k1']:.1e} | {a['kl_k3']:.1e} | {a['routing_agreement']:.2%} | "
+                 f"{a['max_abs_dlogprob_free_routing']:.2e} |")
+  lines += ["", "| model | params | in flight | swap pause | prepare (pack) | plain reload "
+            "(pack + compile + first token) | pause / reload |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
+  for r in report["swap"]:
+    lines.append(f"| {r['model']} | {r['params'] / 1e6:,.1f}M | {r['in_flight']} | "
+                 f"{r['swap_pause_s'] * 1e3:.2f} ms | {r['swap_prepare_s']:.2f} s | "
+                 f"{r['reload_s']:.2f} s ({r['reload_pack_s']:.2f} + "
+                 f"{r['reload_compile_first_token_s']:.2f}) | {r['pause_over_reload']:.1e} |")
+  return "\n".join(lines)
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -203,6 +236,7 @@ def main(argv=None) -> int:
   p.add_argument("--decode_steps", type=int, default=16)
   p.add_argument("--quick", action="store_true", help="a tiny smoke run (tests)")
   p.add_argument("--skip_1b", action="store_true")
+  p.add_argument("--only_swap", action="store_true", help="skip throughput and agreement")
   p.add_argument("--json", help="write all results here")
   args = p.parse_args(argv)
   batches = [int(b) for b in args.batches.split(",")]
@@ -215,16 +249,20 @@ def main(argv=None) -> int:
   max_len = -(-(args.prompt_len + args.new_tokens) // 32) * 32
   base = dict(max_slots=max(batches), max_len=max_len, decode_steps=args.decode_steps,
               length_bucket=32)
-  engines = {"ours": Engine(model, config=EngineConfig(**base)),
-             "ours_deterministic": Engine(model, config=EngineConfig(deterministic=True, **base))}
-  rng = np.random.default_rng(0)
-  report["throughput"] = throughput(torch_model, engines, rng, batches, args.prompt_len,
-                                    args.new_tokens, args.repeats, cfg.vocab_size)
-  report["agreement"] = agreement_rows(model, engines, rng, min(16, max(batches)),
-                                       args.prompt_len, args.new_tokens, cfg.vocab_size)
-  for e in engines.values():
-    e.stop()
-  del engines, torch_model
+  report["throughput"], report["agreement"] = [], {}
+  if not args.only_swap:
+    engines = {"ours": Engine(model, config=EngineConfig(**base)),
+               "ours_deterministic": Engine(model,
+                                            config=EngineConfig(deterministic=True, **base))}
+    rng = np.random.default_rng(0)
+    report["throughput"] = throughput(torch_model, engines, rng, batches, args.prompt_len,
+                                      args.new_tokens, args.repeats, cfg.vocab_size)
+    report["agreement"] = agreement_rows(model, engines, rng, min(16, max(batches)),
+                                         args.prompt_len, args.new_tokens, cfg.vocab_size)
+    for e in engines.values():
+      e.stop()
+    del engines
+  del torch_model
   gc.collect()
   flat = moe_params.flatten(model)
   report["swap"] = [swap_row("tiny Mixtral (fp32)", flat, cfg, EngineConfig(**base),
@@ -239,6 +277,7 @@ def main(argv=None) -> int:
         "~1B MoE (bf16)", big_flat, big_cfg,
         EngineConfig(max_slots=1, max_len=64, decode_steps=1, dtype=None, length_bucket=64),
         prompt_len=8, new_tokens=48, batch=1))
+  print(markdown(report), flush=True)
   if args.json:
     with open(args.json, "w") as f:
       json.dump(report, f, indent=1, default=lambda o: o.tolist() if hasattr(o, "tolist")
