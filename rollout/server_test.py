@@ -177,16 +177,24 @@ def test_backpressure_429_and_timeout_504(live):
 def test_client_disconnect_cancels_the_request(live):
   eng = live.server.engine
   before = eng.stats["cancelled_total"]
+  disconnects = live.server.http_stats["client_disconnects_total"]
   conn = http.client.HTTPConnection("127.0.0.1", live.port, timeout=60)
   conn.request("POST", "/v1/completions", json.dumps({"prompt": [1, 2], "max_tokens": 60,
                                                       "n": 4, "ignore_eos": True}),
                {"Content-Type": "application/json"})
   deadline = time.time() + 60
   while eng.metrics()["active_slots"] == 0 and time.time() < deadline:
-    time.sleep(0.01)
-  conn.close()
+    time.sleep(0.005)
+  # Hold the engine loop (it takes this lock every iteration) so the request cannot finish
+  # before the server notices the disconnect.
+  with eng._cv_lock:
+    conn.close()
+    while (live.server.http_stats["client_disconnects_total"] == disconnects
+           and time.time() < deadline):
+      time.sleep(0.01)
   while eng.stats["cancelled_total"] == before and time.time() < deadline:
     time.sleep(0.02)
+  assert live.server.http_stats["client_disconnects_total"] == disconnects + 1
   assert eng.stats["cancelled_total"] == before + 1
 
 
