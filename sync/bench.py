@@ -3,8 +3,10 @@
 What: `measure(base, new)` times, interleaved and repeated (medians), through the public
 interface (so the chunked parallel paths are what is measured):
   * `delta.encode`, and a plain baseline: XOR of bit patterns, zstd level 1 per tensor;
-  * `delta.apply_inplace` into a held copy of `base` (what `Subscriber(inplace=True)` does on a
-    sampler), against memcpy of the new weights into those same held buffers;
+  * `delta.apply_inplace` into a held copy of `base`, proven by hashing every rebuilt chunk
+    (check="result") and by the changes hashes with the held version named (check="changes",
+    what `Subscriber(inplace=True)` does on a sampler), against memcpy of the new weights into
+    those same held buffers;
   * `delta.decode(..., out=recycled buffers)` and `delta.decode` into new arrays, against
     `np.copy` into new arrays (first-touch page faults dominate both) and the XOR+zstd decode.
 GB/s are bytes of model weights per second. `synthetic_pairs` builds RL-like updates (see
@@ -24,6 +26,7 @@ import numpy as np
 import zstandard
 
 from sync import delta
+from sync import kernels
 from sync import sim
 from sync import synthetic
 from sync import weights
@@ -37,7 +40,7 @@ class Row:
   changed: float  # fraction of elements whose bits changed
   ratio: float  # model bytes / delta blob bytes
   encode_GBps: float
-  apply_GBps: float  # delta.apply_inplace into held weights
+  apply_GBps: float  # delta.apply_inplace into held weights, check="result"
   memcpy_GBps: float  # np.copyto of the new weights into the same held buffers
   decode_GBps: float  # delta.decode(..., out=recycled buffers)
   decode_fresh_GBps: float  # delta.decode into newly allocated arrays
@@ -48,10 +51,15 @@ class Row:
   workers: int
   repeats: int
   kinds: dict = dataclasses.field(default_factory=dict)  # chunk kind -> count
+  apply_changes_GBps: float = 0.0  # the same with expect_parent, check="changes"
 
   @property
   def apply_vs_memcpy(self) -> float:
     return self.apply_GBps / self.memcpy_GBps
+
+  @property
+  def apply_changes_vs_memcpy(self) -> float:
+    return self.apply_changes_GBps / self.memcpy_GBps
 
 
 def _timed(fn):
@@ -93,9 +101,10 @@ def measure(base: dict, new: dict, label: str = "", repeats: int = 5, workers=No
   changed = sum(int(np.count_nonzero(weights.words(base[k]) != weights.words(new[k])))
                 for k in new if k in base)
   w = workers or min(8, os.cpu_count() or 1)
+  kernels.warm_up()  # numba compiles once per process: not part of any timing
   held = {k: v.copy() for k, v in base.items()}  # the sampler's one weight set
   bufs = {k: np.ones_like(v) for k, v in new.items()}  # a recycled second set
-  t = {k: [] for k in ("enc", "apply", "memcpy", "dec", "dec_fresh", "memcpy_fresh", "xenc",
+  t = {k: [] for k in ("enc", "apply", "apply_ch", "memcpy", "dec", "dec_fresh", "memcpy_fresh", "xenc",
                        "xdec")}
   kinds = {}
   blob = xb = None
@@ -106,10 +115,17 @@ def measure(base: dict, new: dict, label: str = "", repeats: int = 5, workers=No
     blob, kinds = sink.getvalue(), st.chunks
     for k, v in base.items():  # reset the held weights to the parent (not timed)
       np.copyto(held[k], v)
-    dt, (out, _) = _timed(lambda: delta.apply_inplace(held, blob, workers=w))
+    dt, (out, _) = _timed(lambda: delta.apply_inplace(held, blob, workers=w, check="result"))
     t["apply"].append(dt)
     if r == 0:
       _check_same(out, new, "apply_inplace")
+    for k, v in base.items():
+      np.copyto(held[k], v)
+    dt, (out, _) = _timed(lambda: delta.apply_inplace(held, blob, workers=w,
+                                                      expect_parent=st.parent_digest))
+    t["apply_ch"].append(dt)
+    if r == 0:
+      _check_same(out, new, "apply_inplace(check='changes')")
     t["memcpy"].append(_timed(lambda: [np.copyto(held[k], v) for k, v in new.items()])[0])
     dt, out = _timed(lambda: delta.decode(base, blob, workers=w, out=bufs))
     t["dec"].append(dt)
@@ -125,7 +141,7 @@ def measure(base: dict, new: dict, label: str = "", repeats: int = 5, workers=No
   return Row(label, elems, changed / max(1, elems), nb / len(blob), g["enc"], g["apply"],
              g["memcpy"], g["dec"], g["dec_fresh"], g["memcpy_fresh"],
              nb / sum(len(b) for b in xb.values()), g["xenc"], g["xdec"], w, repeats,
-             dict(kinds))
+             dict(kinds), g["apply_ch"])
 
 
 def synthetic_pairs(params: int, fractions, seed: int = 0):
@@ -186,8 +202,8 @@ def from_checkpoints(path1: str, path2: str, dtype=None, **kw) -> Row:
 def terabyte_report(row: Row, cores_here: int | None = None, **kw) -> dict:
   """The simulator's 1 TB / four-cluster answer from a measured row's per-core rates."""
   cores = cores_here or row.workers
-  # Decode rate: the in-place apply, which is what the subscriber runs on a sampler.
-  enc, dec = row.encode_GBps * 1e9 / cores, row.apply_GBps * 1e9 / cores
+  # Decode rate: the in-place apply checked by the changes, what the subscriber runs.
+  enc, dec = row.encode_GBps * 1e9 / cores, row.apply_changes_GBps * 1e9 / cores
   out = {}
   for mode in (False, True):
     r = sim.simulate(sim.terabyte_four_clusters(enc, dec, row.ratio, apply_delta_only=mode,
@@ -201,12 +217,15 @@ def terabyte_report(row: Row, cores_here: int | None = None, **kw) -> dict:
 def markdown(rows) -> str:
   """The rows as a Markdown table (ours vs XOR+zstd vs memcpy, all from the same run)."""
   head = ("| update | changed | ratio ours / XOR+zstd | encode GB/s ours / XOR+zstd | "
-          "apply in place GB/s | memcpy into the same buffers GB/s | **apply / memcpy** | "
+          "apply in place GB/s, changes check / result hash | memcpy into the same buffers GB/s "
+          "| **apply / memcpy**, changes check / result hash | "
           "decode(out=) GB/s | decode() / memcpy, new arrays GB/s | XOR+zstd decode GB/s |\n"
           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n")
   return head + "".join(
       f"| {r.label} | {r.changed:.2%} | {r.ratio:.1f}x / {r.xor_ratio:.1f}x | "
-      f"{r.encode_GBps:.2f} / {r.xor_encode_GBps:.2f} | {r.apply_GBps:.2f} | "
-      f"{r.memcpy_GBps:.2f} | {r.apply_vs_memcpy:.2f} | {r.decode_GBps:.2f} | "
-      f"{r.decode_fresh_GBps:.2f} / {r.memcpy_fresh_GBps:.2f} | {r.xor_decode_GBps:.2f} |\n"
+      f"{r.encode_GBps:.2f} / {r.xor_encode_GBps:.2f} | "
+      f"{r.apply_changes_GBps:.2f} / {r.apply_GBps:.2f} | {r.memcpy_GBps:.2f} | "
+      f"**{r.apply_changes_vs_memcpy:.2f}** / {r.apply_vs_memcpy:.2f} | "
+      f"{r.decode_GBps:.2f} | {r.decode_fresh_GBps:.2f} / {r.memcpy_fresh_GBps:.2f} | "
+      f"{r.xor_decode_GBps:.2f} |\n"
       for r in rows)

@@ -28,10 +28,13 @@ above 60%, both (keep the smaller) in between. A wrong estimate costs size, neve
 Chunks that are identical cost a few bytes (SAME). Tensors without a usable base are stored RAW
 (byte planes of the new bits, zstd).
 
-Decoding is split into `decode_changes` (pure: payload -> positions and values, or a dense
-difference) and `apply_changes` (adds them into a chunk, or subtracts them again to undo), so
-a caller can apply a delta in place with a cost proportional to the changed elements and roll
-it back exactly (unsigned arithmetic wraps, so the subtraction is the exact inverse).
+Decoding: `apply_chunk` adds a payload's changes into a chunk in place (or subtracts them
+again to undo: unsigned arithmetic wraps, so the subtraction is the exact inverse), with a cost
+proportional to the changed elements; SPARSE chunks go through the fused kernel in `kernels`
+(numba when installed), which also returns the chunk's *changes hash*. The encoder computes the
+same hash over (position, old bits, new bits) of every changed element, so a caller that knows
+its chunk held the parent's bits can check the result without hashing the whole chunk.
+`decode_changes` / `apply_changes` are the plain numpy forms (DENSE and RAW use them).
 
 Every zstd frame carries its own content checksum, so a flipped bit in a payload fails loudly
 in `decode_changes`; the caller additionally checks a hash of every rebuilt chunk.
@@ -41,6 +44,8 @@ import struct
 
 import numpy as np
 import zstandard
+
+from sync import kernels
 
 SAME = 0  # Chunk unchanged: empty payload.
 SPARSE = 1  # Gap byte planes + zig-zag value byte planes.
@@ -131,28 +136,76 @@ def encode_chunk(base, new, cctx: zstandard.ZstdCompressor):
     cctx: a zstd compressor (one per thread; created with write_checksum=True).
 
   Returns:
-    (kind, payload bytes, number of changed elements).
+    (kind, payload bytes, number of changed elements, changes hash): the last is
+    `kernels.changes_hash` of the changed elements for SPARSE chunks, 0 for the other kinds.
   """
   if base is None:
-    return RAW, cctx.compress(_planes(new)), new.size
+    return RAW, cctx.compress(_planes(new)), new.size, 0
   if sample_fraction(base, new) >= _DENSE_ONLY:
     diff = new - base  # unsigned: wraps, exactly undone by the decoder's addition
     nnz = int(np.count_nonzero(diff))
     if nnz == 0:
-      return SAME, b"", 0
-    return DENSE, cctx.compress(_planes(_zigzag(diff))), nnz
+      return SAME, b"", 0, 0
+    return DENSE, cctx.compress(_planes(_zigzag(diff))), nnz, 0
   pos = np.flatnonzero(base != new)
   nnz = pos.size
   if nnz == 0:
-    return SAME, b"", 0
-  values = _zigzag(new[pos] - base[pos])
+    return SAME, b"", 0, 0
+  old, upd = base[pos], new[pos]
+  values = _zigzag(upd - old)
   sparse = cctx.compress(_SPARSE_HEAD.pack(nnz) + _gap_planes(pos) + _planes(values))
   if nnz < _SPARSE_ONLY * new.size:
-    return SPARSE, sparse, nnz
+    return SPARSE, sparse, nnz, kernels.changes_hash(pos, old, upd)
   dense = cctx.compress(_planes(_zigzag(new - base)))
   if len(dense) < len(sparse):
-    return DENSE, dense, nnz
-  return SPARSE, sparse, nnz
+    return DENSE, dense, nnz, 0
+  return SPARSE, sparse, nnz, kernels.changes_hash(pos, old, upd)
+
+
+def _decompress(kind: int, payload, n: int, itemsize: int, dctx):
+  """A payload's zstd frame decompressed (None for SAME), with the size checks."""
+  if kind == SAME:
+    if len(payload):
+      raise CodecError("SAME chunk with a payload")
+    return None
+  if kind not in (SPARSE, DENSE, RAW):
+    raise CodecError(f"unknown chunk kind {kind}")
+  limit = _SPARSE_HEAD.size + n * (3 + itemsize)
+  try:
+    size = zstandard.frame_content_size(payload)
+    if not 0 <= size <= limit:  # -1: unknown size; also guards against decompression bombs
+      raise CodecError("payload frame has a missing or implausible content size")
+    return dctx.decompress(payload)
+  except zstandard.ZstdError as e:
+    raise CodecError(f"zstd: {e}") from e
+
+
+def apply_chunk(kind: int, payload, out: np.ndarray, dctx: zstandard.ZstdDecompressor,
+                undo: bool = False) -> int:
+  """Adds a payload's changes into the chunk `out` in place (`undo`: subtracts them).
+
+  Args:
+    kind: the chunk kind.
+    payload: its payload.
+    out: 1-D C-contiguous unsigned-integer view of the chunk (the base's bits on entry).
+    dctx: a zstd decompressor (one per thread).
+    undo: subtract instead (exact inverse; RAW chunks cannot be undone).
+
+  Returns:
+    The changes hash for SPARSE chunks (see `kernels`), 0 for the other kinds.
+
+  Raises:
+    CodecError: damaged payload, or one that does not fit the chunk; `out` is unchanged.
+  """
+  if kind != SPARSE:
+    apply_changes(kind, decode_changes(kind, payload, out.size, out.dtype, dctx), out,
+                  undo=undo)
+    return 0
+  raw = _decompress(kind, payload, out.size, out.itemsize, dctx)
+  h = kernels.sparse_apply(raw, out, undo)
+  if h is None:
+    raise CodecError("SPARSE payload has the wrong length or a position outside the chunk")
+  return h
 
 
 def decode_changes(kind: int, payload, n: int, dtype, dctx: zstandard.ZstdDecompressor):
@@ -167,20 +220,9 @@ def decode_changes(kind: int, payload, n: int, dtype, dctx: zstandard.ZstdDecomp
   """
   dtype = np.dtype(dtype)
   itemsize = dtype.itemsize
-  if kind == SAME:
-    if len(payload):
-      raise CodecError("SAME chunk with a payload")
+  raw = _decompress(kind, payload, n, itemsize, dctx)
+  if raw is None:
     return None
-  if kind not in (SPARSE, DENSE, RAW):
-    raise CodecError(f"unknown chunk kind {kind}")
-  limit = _SPARSE_HEAD.size + n * (3 + itemsize)
-  try:
-    size = zstandard.frame_content_size(payload)
-    if not 0 <= size <= limit:  # -1: unknown size; also guards against decompression bombs
-      raise CodecError("payload frame has a missing or implausible content size")
-    raw = dctx.decompress(payload)
-  except zstandard.ZstdError as e:
-    raise CodecError(f"zstd: {e}") from e
   if kind in (RAW, DENSE):
     if len(raw) != n * itemsize:
       raise CodecError(f"{KIND_NAMES[kind].upper()} payload has the wrong length")
@@ -224,9 +266,13 @@ def decode_chunk(kind: int, payload, base, out, dctx: zstandard.ZstdDecompressor
   """Writes the chunk rebuilt from `base` and `payload` into `out` (same dtype and length).
 
   `base` may be `out` itself (in-place apply) for every kind. Raises CodecError on a damaged
-  payload or one that does not fit the chunk; `out` is untouched then.
+  payload or one that does not fit the chunk; `out` then holds its old bits or `base`'s.
   """
-  changes = decode_changes(kind, payload, out.size, out.dtype, dctx)
   if base is None and kind != RAW:
     raise CodecError(f"chunk kind {kind} needs a base")
-  apply_changes(kind, changes, out, base)
+  if kind == SPARSE:
+    if base is not out:
+      np.copyto(out, base)
+    apply_chunk(kind, payload, out, dctx)
+    return
+  apply_changes(kind, decode_changes(kind, payload, out.size, out.dtype, dctx), out, base)

@@ -32,7 +32,7 @@ def test_kinds_roundtrip(frac, kind):
   new = base.copy()
   idx = rng.random(base.size) < frac
   new[idx] += rng.integers(1, 3, idx.sum()).astype(np.uint16)
-  got_kind, payload, nnz = codec.encode_chunk(base, new, cctx)
+  got_kind, payload, nnz, _ = codec.encode_chunk(base, new, cctx)
   assert got_kind == kind and nnz == idx.sum()
   out = np.empty_like(base)
   codec.decode_chunk(got_kind, payload, base, out, dctx)
@@ -47,7 +47,7 @@ def test_gaps_span_all_three_planes():
   base = np.zeros(1 << 20, np.uint32)
   new = base.copy()
   new[[0, 1, 300, 70_000, (1 << 20) - 1]] = [1, 5, 0xFFFFFFFF, 7, 9]
-  kind, payload, _ = codec.encode_chunk(base, new, cctx)
+  kind, payload, *_ = codec.encode_chunk(base, new, cctx)
   assert kind == codec.SPARSE
   out = np.empty_like(base)
   codec.decode_chunk(kind, payload, base, out, dctx)
@@ -57,7 +57,7 @@ def test_gaps_span_all_three_planes():
 def test_raw_roundtrip_and_damage_detected():
   cctx, dctx = _ctx()
   new = np.arange(1000, dtype=np.uint16)
-  kind, payload, _ = codec.encode_chunk(None, new, cctx)
+  kind, payload, *_ = codec.encode_chunk(None, new, cctx)
   out = np.empty_like(new)
   codec.decode_chunk(kind, payload, None, out, dctx)
   np.testing.assert_array_equal(out, new)
@@ -72,7 +72,7 @@ def test_payload_for_a_smaller_chunk_is_rejected():
   base = np.zeros(100, np.uint16)
   new = base.copy()
   new[99] = 3
-  kind, payload, _ = codec.encode_chunk(base, new, cctx)
+  kind, payload, *_ = codec.encode_chunk(base, new, cctx)
   with pytest.raises(codec.CodecError):
     codec.decode_chunk(kind, payload, base[:50], np.empty(50, np.uint16), dctx)
   with pytest.raises(codec.CodecError):  # declared content size far above the chunk: a bomb

@@ -125,7 +125,7 @@ def _records(blob):
   head, recs = blob[:pos], []
   while blob[pos:pos + len(delta.END_MAGIC)] != delta.END_MAGIC:
     plen = struct.unpack_from("<Q", blob, pos + 12)[0]
-    end = pos + 48 + plen
+    end = pos + delta._REC.size + delta._CHECK.size + plen  # pylint: disable=protected-access
     recs.append(blob[pos:end])
     pos = end
   return head, recs, blob[pos:]
@@ -217,6 +217,50 @@ def test_apply_inplace_on_a_foreign_base_rolls_back_every_chunk():
   with pytest.raises(delta.DeltaError, match="parent"):
     delta.apply_inplace(held, blob, verify_base=True)
   assert _same_bits(held, other)
+
+
+@pytest.mark.parametrize("frac", [0.0, 0.04, 0.25, 0.9])
+def test_apply_inplace_checked_by_changes_is_bit_exact(frac):
+  base, new = _pair(frac=frac)
+  blob = delta.encode(base, new, chunk_elems=20_000)
+  held = _copy(base)
+  out, stats = delta.apply_inplace(held, blob, workers=2,
+                                   expect_parent=weights.digest(base, 20_000))
+  assert _same_bits(out, new) and stats.digest == weights.digest(new, 20_000)
+  with pytest.raises(ValueError, match="expect_parent"):
+    delta.apply_inplace(held, blob, check="changes")
+  with pytest.raises(ValueError, match="check must be"):
+    delta.apply_inplace(held, blob, check="none")
+
+
+def test_apply_inplace_checked_by_changes_rejects_damage_and_wrong_bits():
+  base, new = _pair(frac=0.05)
+  blob = delta.encode(base, new, chunk_elems=20_000)
+  parent = weights.digest(base, 20_000)
+  rng = np.random.default_rng(2)
+  for p in sorted(set(rng.integers(0, len(blob), 40).tolist())):
+    bad = bytearray(blob)
+    bad[p] ^= 1 << int(rng.integers(0, 8))
+    held = _copy(base)
+    with pytest.raises(delta.DeltaError):
+      delta.apply_inplace(held, bytes(bad), expect_parent=parent)
+    assert _same_bits(held, base)
+  # Held bits that differ from the parent at a changed element: caught, everything rolled back.
+  changed = np.flatnonzero(weights.words(base["a/w"]) != weights.words(new["a/w"]))
+  held = _copy(base)
+  weights.words(held["a/w"])[changed[len(changed) // 2]] ^= 1
+  before = _copy(held)
+  with pytest.raises(delta.DeltaError, match="parent.*rolled back.*changes hash"):
+    delta.apply_inplace(held, blob, workers=2, expect_parent=parent)
+  assert _same_bits(held, before)
+  # At an unchanged element only the full result check sees it (the caller vouched wrongly).
+  same = np.flatnonzero(weights.words(base["a/w"]) == weights.words(new["a/w"]))
+  held = _copy(base)
+  weights.words(held["a/w"])[same[0]] ^= 1
+  before = _copy(held)
+  with pytest.raises(delta.DeltaError, match="rolled back"):
+    delta.apply_inplace(held, blob, expect_parent=parent, check="result")
+  assert _same_bits(held, before)
 
 
 def test_apply_inplace_rejects_unusable_buffers():

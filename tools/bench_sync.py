@@ -91,14 +91,16 @@ def main(argv=None) -> int:
   print()
   print(bench.markdown(rows))
   print(f"(medians of {args.repeats} interleaved repeats, {rows[0].workers} worker threads; "
-        "'apply / memcpy' = delta.apply_inplace vs np.copyto of the new weights into the same "
-        "held buffers)")
+        "'apply / memcpy' = delta.apply_inplace (check='changes' with the held version named, "
+        "as the subscriber runs it / check='result') vs np.copyto of the new weights into the "
+        "same held buffers)")
   for s in report.get("learner", []):
     print(f"learner lr={s['lr']:g} ({s['params']} params): changed "
           f"{np.median(s['changed']):.2%} (range {min(s['changed']):.2%}-"
           f"{max(s['changed']):.2%}), ratio median {np.median(s['ratio']):.1f}x vs XOR+zstd "
           f"{np.median(s['xor_ratio']):.1f}x")
-  report["rows"] = [dict(r.__dict__, apply_vs_memcpy=r.apply_vs_memcpy) for r in rows]
+  report["rows"] = [dict(r.__dict__, apply_vs_memcpy=r.apply_vs_memcpy,
+                         apply_changes_vs_memcpy=r.apply_changes_vs_memcpy) for r in rows]
   if not args.no_sim:
     row = min(rows, key=lambda r: abs(r.changed - 0.04))
     report["terabyte"] = bench.terabyte_report(row)
