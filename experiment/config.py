@@ -51,6 +51,9 @@ class RLConfig:
     replay: router replay ("on", "off", "proximal").
     clip_eps: PPO clip range.
     kl_coef: k3 KL penalty to the starting policy (0 disables it).
+    aux_loss: add the router's load-balancing and z losses to the RL loss. Off by default: with
+      router replay the learner uses the sampler's experts, and the balancing gradient would only
+      pull the router away from the routing the samples were drawn with.
   """
   steps: int = 60
   learning_rate: float = 1e-4
@@ -60,6 +63,7 @@ class RLConfig:
   replay: str = "on"
   clip_eps: float = 0.2
   kl_coef: float = 0.0
+  aux_loss: bool = False
 
   def __post_init__(self):
     if self.steps < 0 or self.learning_rate <= 0 or self.num_samplers < 1:

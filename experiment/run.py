@@ -139,7 +139,7 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
     rl_learner = Learner(
         cfg.model, mesh=mesh, seed=cfg.seed, init_model=model, sampler_dtype="float32",
         opt_cfg=OptimizerConfig(learning_rate=r.learning_rate),
-        loss_cfg=LossConfig(objective="policy", replay=r.replay,
+        loss_cfg=LossConfig(objective="policy", replay=r.replay, aux_loss=r.aux_loss,
                             max_staleness=r.pipeline.max_staleness,
                             policy=PolicyLossConfig(clip_eps_low=r.clip_eps,
                                                     clip_eps_high=r.clip_eps,

@@ -81,8 +81,8 @@ def test_default_experiment_values_and_command_line_overrides():
   p = cfg.rl.pipeline
   assert (cfg.rl.steps, cfg.rl.learning_rate) == (60, 1e-4)
   assert (p.max_staleness, p.prompts_per_step, p.attempts, p.max_new_tokens, p.seq_len,
-          p.batch_rows) == (2, 8, 8, 40, 128, 32)
-  assert (cfg.eval.samples, cfg.eval.temperature, cfg.eval.max_tokens) == (4, 1.0, 48)
+          p.batch_rows) == (2, 8, 8, 40, 256, 32)
+  assert (cfg.eval.samples, cfg.eval.temperature, cfg.eval.max_tokens) == (8, 1.0, 48)
   # The main entry point passes `--gin.X=V` as "X=V" (no spaces).
   over = configs.load_experiment([DEFAULT], ["RLConfig.steps=100", "PipelineConfig.attempts=4"],
                                  num_devices=1)
