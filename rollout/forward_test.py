@@ -13,6 +13,10 @@ from rollout import forward
 from rollout import testing
 from rollout import weights
 
+# Jitted once per (config, capacity tiers): eager op-by-op execution is several times slower.
+_prefill = jax.jit(forward.prefill, static_argnames=("cfg", "caps"))
+_decode_step = jax.jit(forward.decode_step, static_argnames=("cfg", "caps"))
+
 
 def _caches(cfg, b, s):
   shape = (b, cfg.num_kv_heads, s, cfg.resolved_head_dim)
@@ -47,8 +51,8 @@ def test_prefill_then_decode_matches_full_forward(variant):
   padded = np.zeros((2, 16), np.int32)
   for r in range(2):
     padded[r, :lengths[r]] = toks[r, :lengths[r]]
-  logits, routing, ks, vs = forward.prefill(p, cfg, jnp.asarray(padded), jnp.asarray(lengths),
-                                            tiers)
+  logits, routing, ks, vs = _prefill(p, cfg, jnp.asarray(padded), jnp.asarray(lengths),
+                                     caps=tiers)
   for r in range(2):
     np.testing.assert_allclose(logits[r], full.logits[r, lengths[r] - 1], atol=testing.ATOL)
     np.testing.assert_array_equal(np.sort(routing[:, r, :lengths[r]], -1),
@@ -61,8 +65,8 @@ def test_prefill_then_decode_matches_full_forward(variant):
   dtiers = forward.capacity_tiers(2, cfg, (1.0,), False)
   for _ in range(12 - 9):
     tok = toks[np.arange(2), pos]
-    logits, routing, ck, cv = forward.decode_step(p, cfg, jnp.asarray(tok), jnp.asarray(pos),
-                                                  ck, cv, dtiers)
+    logits, routing, ck, cv = _decode_step(p, cfg, jnp.asarray(tok), jnp.asarray(pos), ck, cv,
+                                           caps=dtiers)
     for r in range(2):
       np.testing.assert_allclose(logits[r], full.logits[r, pos[r]], atol=testing.ATOL)
       np.testing.assert_array_equal(np.sort(routing[:, r], -1),
