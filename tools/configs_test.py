@@ -135,7 +135,7 @@ def test_negative_staleness():
 
 
 def test_dataclass_checks_become_config_errors():
-  with pytest.raises(configs.ConfigError, match=r"every k in \(1, 8\) must lie in \[1, samples\]"):
+  with pytest.raises(configs.ConfigError, match=r"every k in \(1, 16\) must lie in \[1, samples\]"):
     configs.load_experiment([DEFAULT], ["EvalConfig.k_list = (1, 16)"], num_devices=1)
   with pytest.raises(configs.ConfigError, match="exceeds the model's max_seq_len"):
     configs.load_experiment([DEFAULT], ["ModelConfig.max_seq_len = 64"], num_devices=1)
