@@ -26,13 +26,11 @@ Design (see rollout/README.md for the measurements behind it):
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
-import itertools
 import logging
 import threading
 import time
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -43,138 +41,14 @@ from moe.config import ModelConfig
 from rollout import forward
 from rollout import kernels
 from rollout import weights as weights_lib
+from rollout.engine_types import (Completion, EngineConfig, EngineStopped, PreparedWeights,
+                                  QueueFull, RequestHandle, Sample)
 from rollout.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
+__all__ = ["Completion", "Engine", "EngineConfig", "EngineStopped", "PreparedWeights",
+           "QueueFull", "RequestHandle", "SamplingParams"]
+
 log = logging.getLogger(__name__)
-
-
-class QueueFull(RuntimeError):
-  """The bounded request queue is full; retry later (HTTP 429)."""
-
-
-class EngineStopped(RuntimeError):
-  """The engine is not running."""
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-  """Serving settings.
-
-  Attributes:
-    max_slots: decode batch rows (completions in flight at once).
-    max_len: KV-cache length per slot = the context: prompt + max_tokens must fit. None uses the
-      model's max_seq_len.
-    decode_steps: decode steps per device call (tokens are handed back once per call).
-    deterministic: fixed shapes and dropless experts (reproducible whatever the batch).
-    max_queue: most completions (sum of n) waiting for a slot before submit raises QueueFull.
-    prefill_rows: most prompts prefilled per device call (deterministic mode always uses this
-      many rows, padding the rest).
-    min_prefill_len: smallest prompt length bucket (buckets double up to max_len).
-    length_bucket: granularity of the attended cache prefix in decode.
-    capacity_factors: expert capacity tiers as multiples of the even share; a dropless tier is
-      always added (see rollout.forward).
-    dtype: compute dtype of the sampler ("float32" is fastest on the CPU); None keeps the model's.
-    eos_token_ids: stop ids added to every request unless it sets ignore_eos.
-    max_stop_ids: most stop token ids per request (a fixed-width device table).
-    idle_wait_s: how long the loop sleeps when there is nothing to do (new work wakes it).
-  """
-  max_slots: int = 64
-  max_len: Optional[int] = None
-  decode_steps: int = 16
-  deterministic: bool = False
-  max_queue: int = 4096
-  prefill_rows: int = 8
-  min_prefill_len: int = 16
-  length_bucket: int = 64
-  capacity_factors: tuple = (1.0, 1.125, 1.25, 1.375, 1.5, 1.75, 2.0, 2.5)
-  dtype: Optional[str] = "float32"
-  eos_token_ids: tuple = ()
-  max_stop_ids: int = 8
-  idle_wait_s: float = 0.05
-
-
-@dataclasses.dataclass
-class Completion:
-  """One generated completion.
-
-  Attributes:
-    token_ids: generated tokens (a stop token that ended the completion is included).
-    logprobs: log-probability of each token under the distribution it was sampled from.
-    routing: [moe_layers, T, k] experts of the forward step that produced each token (the step
-      whose input was the previous token; for token 0 the prompt's last token). None for dense
-      models.
-    policy_versions: weight version that produced each token.
-    finish_reason: "stop" (stop token or string), "length", "cancelled" or "timeout".
-    text: decoded text (stop strings and the tokens after them removed) if a tokenizer is set.
-    prompt_routing: [moe_layers, P - 1, k] experts of prompt positions 0..P-2, so that
-      concatenating it with `routing` along axis 1 replays routing for the learner's forward on
-      prompt + token_ids[:-1].
-    index: completion index within the request (0..n-1).
-    top_logprobs: per token, {token id: logprob} of the `logprobs` most likely tokens of the
-      distribution sampled from (None unless the request asked for alternatives).
-  """
-  token_ids: list
-  logprobs: list
-  routing: Optional[np.ndarray]
-  policy_versions: list
-  finish_reason: str
-  text: str = ""
-  prompt_routing: Optional[np.ndarray] = None
-  index: int = 0
-  top_logprobs: Optional[list] = None
-
-
-class _Sample:
-  """Host-side progress of one completion."""
-
-  def __init__(self, index: int):
-    self.index = index
-    self.tokens: list = []
-    self.logprobs: list = []
-    self.routing: list = []  # [moe_layers, k] per token
-    self.versions: list = []
-    self.top: list = []  # {token id: logprob} per token, when alternatives were asked for
-    self.finish_reason: Optional[str] = None
-    self.text = ""
-    self.slot: Optional[int] = None
-
-
-@dataclasses.dataclass
-class PreparedWeights:
-  """Weights validated and packed by `Engine.prepare_weights`, ready to swap in."""
-  params: Any
-  flat: dict
-  prepare_s: float
-
-
-class RequestHandle:
-  """A submitted request: wait with `.result()`, or `await asyncio.wrap_future(h.future)`."""
-
-  _ids = itertools.count()
-
-  def __init__(self, prompt: list, params: SamplingParams, stop_ids: tuple, deadline,
-               on_tokens: Optional[Callable] = None):
-    self.id = next(RequestHandle._ids)
-    self.prompt = prompt
-    self.params = params
-    self.stop_ids = stop_ids
-    self.deadline = deadline
-    self.on_tokens = on_tokens
-    self.samples = [_Sample(i) for i in range(params.n)]
-    self.prompt_routing: Optional[np.ndarray] = None
-    self.future: concurrent.futures.Future = concurrent.futures.Future()
-    self.cancelled = False
-    self.submitted_at = time.monotonic()
-
-  def cancel(self) -> None:
-    """Stops the request; completions finish with what they have (finish_reason "cancelled")."""
-    self.cancelled = True
-
-  def done(self) -> bool:
-    return self.future.done()
-
-  def result(self, timeout: Optional[float] = None) -> list:
-    return self.future.result(timeout)
 
 
 def _pow2_at_least(x: int, lo: int = 1) -> int:
@@ -688,7 +562,7 @@ class Engine:
     for h in touched.values():
       self._flush_stream(h)
 
-  def _emit(self, h: RequestHandle, s: _Sample, tokens, logprobs, routing, version=None,
+  def _emit(self, h: RequestHandle, s: Sample, tokens, logprobs, routing, version=None,
             top=None) -> None:
     version = self.version if version is None else version
     k = h.params.logprobs
@@ -701,7 +575,7 @@ class Engine:
     if h.params.stop and s.slot is not None and self._owner[s.slot] is not None:
       self._check_stop_strings(h, s)
 
-  def _check_stop_strings(self, h: RequestHandle, s: _Sample) -> None:
+  def _check_stop_strings(self, h: RequestHandle, s: Sample) -> None:
     text = self.tokenizer.decode(s.tokens)
     hits = [(text.find(x), x) for x in h.params.stop if x in text]
     if not hits:

@@ -1,0 +1,148 @@
+"""The engine's data types: settings, requests, results and errors.
+
+What: `EngineConfig` (serving settings), `RequestHandle` (a submitted request: wait, cancel,
+stream), `Completion` (one result), `PreparedWeights` (weights packed for a swap), and the
+errors `QueueFull` / `EngineStopped`. Split from `rollout.engine` so the serving loop stays one
+readable module; `rollout.engine` re-exports all of them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import itertools
+import time
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from rollout.sampling import SamplingParams
+
+
+class QueueFull(RuntimeError):
+  """The bounded request queue is full; retry later (HTTP 429)."""
+
+
+class EngineStopped(RuntimeError):
+  """The engine is not running."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """Serving settings.
+
+  Attributes:
+    max_slots: decode batch rows (completions in flight at once).
+    max_len: KV-cache length per slot = the context: prompt + max_tokens must fit. None uses the
+      model's max_seq_len.
+    decode_steps: decode steps per device call (tokens are handed back once per call).
+    deterministic: fixed shapes and dropless experts (reproducible whatever the batch).
+    max_queue: most completions (sum of n) waiting for a slot before submit raises QueueFull.
+    prefill_rows: most prompts prefilled per device call (deterministic mode always uses this
+      many rows, padding the rest).
+    min_prefill_len: smallest prompt length bucket (buckets double up to max_len).
+    length_bucket: granularity of the attended cache prefix in decode.
+    capacity_factors: expert capacity tiers as multiples of the even share; a dropless tier is
+      always added (see rollout.forward).
+    dtype: compute dtype of the sampler ("float32" is fastest on the CPU); None keeps the model's.
+    eos_token_ids: stop ids added to every request unless it sets ignore_eos.
+    max_stop_ids: most stop token ids per request (a fixed-width device table).
+    idle_wait_s: how long the loop sleeps when there is nothing to do (new work wakes it).
+  """
+  max_slots: int = 64
+  max_len: Optional[int] = None
+  decode_steps: int = 16
+  deterministic: bool = False
+  max_queue: int = 4096
+  prefill_rows: int = 8
+  min_prefill_len: int = 16
+  length_bucket: int = 64
+  capacity_factors: tuple = (1.0, 1.125, 1.25, 1.375, 1.5, 1.75, 2.0, 2.5)
+  dtype: Optional[str] = "float32"
+  eos_token_ids: tuple = ()
+  max_stop_ids: int = 8
+  idle_wait_s: float = 0.05
+
+
+@dataclasses.dataclass
+class Completion:
+  """One generated completion.
+
+  Attributes:
+    token_ids: generated tokens (a stop token that ended the completion is included).
+    logprobs: log-probability of each token under the distribution it was sampled from.
+    routing: [moe_layers, T, k] experts of the forward step that produced each token (the step
+      whose input was the previous token; for token 0 the prompt's last token). None for dense
+      models.
+    policy_versions: weight version that produced each token.
+    finish_reason: "stop" (stop token or string), "length", "cancelled" or "timeout".
+    text: decoded text (stop strings and the tokens after them removed) if a tokenizer is set.
+    prompt_routing: [moe_layers, P - 1, k] experts of prompt positions 0..P-2, so that
+      concatenating it with `routing` along axis 1 replays routing for the learner's forward on
+      prompt + token_ids[:-1].
+    index: completion index within the request (0..n-1).
+    top_logprobs: per token, {token id: logprob} of the `logprobs` most likely tokens of the
+      distribution sampled from (None unless the request asked for alternatives).
+  """
+  token_ids: list
+  logprobs: list
+  routing: Optional[np.ndarray]
+  policy_versions: list
+  finish_reason: str
+  text: str = ""
+  prompt_routing: Optional[np.ndarray] = None
+  index: int = 0
+  top_logprobs: Optional[list] = None
+
+
+class Sample:
+  """Host-side progress of one completion."""
+
+  def __init__(self, index: int):
+    self.index = index
+    self.tokens: list = []
+    self.logprobs: list = []
+    self.routing: list = []  # [moe_layers, k] per token
+    self.versions: list = []
+    self.top: list = []  # {token id: logprob} per token, when alternatives were asked for
+    self.finish_reason: Optional[str] = None
+    self.text = ""
+    self.slot: Optional[int] = None
+
+
+@dataclasses.dataclass
+class PreparedWeights:
+  """Weights validated and packed by `Engine.prepare_weights`, ready to swap in."""
+  params: Any
+  flat: dict
+  prepare_s: float
+
+
+class RequestHandle:
+  """A submitted request: wait with `.result()`, or `await asyncio.wrap_future(h.future)`."""
+
+  _ids = itertools.count()
+
+  def __init__(self, prompt: list, params: SamplingParams, stop_ids: tuple, deadline,
+               on_tokens: Optional[Callable] = None):
+    self.id = next(RequestHandle._ids)
+    self.prompt = prompt
+    self.params = params
+    self.stop_ids = stop_ids
+    self.deadline = deadline
+    self.on_tokens = on_tokens
+    self.samples = [Sample(i) for i in range(params.n)]
+    self.prompt_routing: Optional[np.ndarray] = None
+    self.future: concurrent.futures.Future = concurrent.futures.Future()
+    self.cancelled = False
+    self.submitted_at = time.monotonic()
+
+  def cancel(self) -> None:
+    """Stops the request; completions finish with what they have (finish_reason "cancelled")."""
+    self.cancelled = True
+
+  def done(self) -> bool:
+    return self.future.done()
+
+  def result(self, timeout: Optional[float] = None) -> list:
+    return self.future.result(timeout)
