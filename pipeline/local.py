@@ -159,8 +159,7 @@ def run(*, learner, tasks: Sequence, pool, workdir: str, config: PipelineConfig,
   for i in range(num_samplers):
     eng = Engine.from_flat(flat0, cfg, config=engine_config, version=v0, tokenizer=tokenizer)
     sub = subscriber_lib.Subscriber(channel.store, _swap_into(eng))
-    sub.weights, sub.version = flat0, v0
-    sub.digest = publisher_lib.read_manifest(channel.store, v0).digest
+    sub.adopt(flat0, v0, publisher_lib.read_manifest(channel.store, v0).digest)
     engines.append(eng)
     subscribers.append(sub)
     t = threading.Thread(target=sub.run, args=(stop, sync_interval_s), daemon=True,

@@ -102,8 +102,7 @@ def run_sampler(workdir: str, *, port: int, max_slots: int = 64, max_len: int = 
                             config=EngineConfig(max_slots=max_slots, max_len=max_len,
                                                 eos_token_ids=(tok.eos_id,)))
   sub = subscriber_lib.Subscriber(store, _swap_into(engine))
-  sub.weights, sub.version = flat, version
-  sub.digest = publisher_lib.read_manifest(store, version).digest
+  sub.adopt(flat, version, publisher_lib.read_manifest(store, version).digest)
   stop = threading.Event()
   threading.Thread(target=sub.run, args=(stop, sync_interval_s), daemon=True).start()
   try:

@@ -95,6 +95,12 @@ class Subscriber:
     self.reports = []
     self._served = None  # the version last handed to apply_fn
 
+  def adopt(self, flat: dict, version: int, digest: str) -> None:
+    """Declares that the sampler already serves `flat` = published `version` (e.g. it was
+    started from `publisher.restore`), so polling only moves forward from there."""
+    self.weights, self.version, self.digest = flat, version, digest
+    self._served = version
+
   def _follow(self, src, steps):
     flat, version, digest = self.weights, self.version, self.digest
     decode_s = 0.0

@@ -50,6 +50,17 @@ def test_follows_each_version_and_reports(tmp_path):
   assert [v for v, _ in sampler.applied] == [0, 1, 2, 3]
 
 
+def test_adopted_weights_are_not_applied_again(tmp_path):
+  st, pub, hist, sampler, sub = _setup(tmp_path, n=2)
+  flat, v = publisher.restore(st)
+  sub.adopt(flat, v, publisher.read_manifest(st, v).digest)
+  assert sub.poll() is None and sampler.applied == []
+  pub.publish(hist[2])
+  r = sub.poll()
+  assert r.steps == [("delta", 2)] and [v for v, _ in sampler.applied] == [2]
+  assert testing.same_bits(sampler.applied[-1][1], hist[2])
+
+
 def test_catch_up_by_chain_or_by_snapshot_whichever_is_smaller(tmp_path):
   st, pub, hist, sampler, sub = _setup(tmp_path, snapshot_every=5, keep_snapshots=10)
   sub.poll()
