@@ -70,7 +70,10 @@ def test_synchronous_mode_has_zero_lag(pool, tmp_path):
 def test_killed_sampler_requests_are_retried_elsewhere(pool, tmp_path):
   steps = []
 
+  seen = {}
+
   def kill_first_sampler_on_its_first_request(parts):
+    seen.update(parts)
     sampler = parts["samplers"].samplers[0]
     original = sampler.submit
     fired = threading.Event()
@@ -89,6 +92,8 @@ def test_killed_sampler_requests_are_retried_elsewhere(pool, tmp_path):
                   num_samplers=2, engine_config=testing.ENGINE, on_step=_record(steps),
                   after_start=kill_first_sampler_on_its_first_request)
   assert res.sampler_retries >= 1
+  dead, alive = seen["samplers"].samplers
+  assert not dead.alive() and seen["samplers"].live() == [alive]
   consumed = [g for _, info, _ in steps for g in info["group_ids"]]
   assert len(consumed) == len(set(consumed)) == 4
   assert res.batcher["infra_failures"] == 0  # retried, not lost

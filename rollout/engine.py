@@ -130,6 +130,11 @@ class Engine:
     self._thread = threading.Thread(target=self._loop, name="rollout-engine", daemon=True)
     self._thread.start()
 
+  @property
+  def running(self) -> bool:
+    """Whether the serving loop runs (requests are accepted)."""
+    return self._thread is not None and not self._stopping
+
   def stop(self) -> None:
     """Stops the loop; waiting and running requests finish as "cancelled"."""
     with self._cv_lock:
