@@ -90,7 +90,7 @@ _PLOTS = (
     ("reward.png", "RL reward (mean over each step's attempts)", "rl", ("reward", "pass_rate")),
     ("staleness.png", "Policy lag of trained tokens (versions)", "rl",
      ("staleness_mean", "staleness_max")),
-    ("kl.png", "KL(sampler || learner) on trained tokens", "rl", ("kl_sampler_learner",)),
+    ("kl.png", "KL(sampler || learner) on trained tokens (k3)", "rl", ("sampler_kl",)),
     ("throughput.png", "Learner tokens/s", None, ("tokens_per_s",)),
     ("pretrain_loss.png", "Pre-training loss", "pretrain", ("loss",)),
 )

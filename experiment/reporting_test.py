@@ -13,7 +13,7 @@ def test_metrics_tensorboard_and_plots(tmp_path):
     rep.log("pretrain", s, {"loss": 3.0 / s, "tokens_per_s": 100.0, "ignored": "text"})
   for s in range(1, 4):
     rep.log("rl", s, {"reward": 0.1 * s, "pass_rate": 0.05 * s, "staleness_mean": 1.0,
-                      "staleness_max": 2, "kl_sampler_learner": 1e-4, "tokens_per_s": 50.0})
+                      "staleness_max": 2, "sampler_kl": 1e-4, "tokens_per_s": 50.0})
   rep.log("eval", 0, {"pass1": 0.1})
   rep.log("eval", 3, {"pass1": 0.3})
   rep.close()
