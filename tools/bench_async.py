@@ -1,6 +1,6 @@
 """Asynchronous versus synchronous RL on the same workload, on this machine.
 
-  bazel run //tools:bench_async                       # ~10 min on 2 cores
+  bazel run //tools:bench_async                       # ~10 min on 2 cores (with pre-training)
   bazel run //tools:bench_async -- --init_checkpoint=runs/<run>/pretrained_model
 
 Both runs start from the same pre-trained tiny MoE (pre-trained here for a few minutes unless
@@ -116,14 +116,15 @@ def run_mode(name, k, model, tasks, pool, args, workdir):
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--steps", type=int, default=12, help="learner steps per run")
+  p.add_argument("--steps", type=int, default=10, help="learner steps per run")
   p.add_argument("--staleness", type=int, default=4, help="max staleness k of the async run")
   p.add_argument("--prompts", type=int, default=8, help="prompts per step")
   p.add_argument("--attempts", type=int, default=8, help="attempts per prompt")
   p.add_argument("--max_new_tokens", type=int, default=40)
-  p.add_argument("--grade_workers", type=int, default=16, help="sandboxes grading at once")
-  p.add_argument("--env_median_s", type=float, default=0.25)
-  p.add_argument("--env_p99_s", type=float, default=3.0)
+  p.add_argument("--grade_workers", type=int, default=32, help="sandboxes grading at once")
+  p.add_argument("--env_median_s", type=float, default=1.0,
+                 help="median environment (slow test suite) time per task")
+  p.add_argument("--env_p99_s", type=float, default=4.0, help="its 99th percentile")
   p.add_argument("--lr", type=float, default=1e-4)
   p.add_argument("--pretrain_steps", type=int, default=300)
   p.add_argument("--init_checkpoint", default=None, help="start from this params checkpoint")
