@@ -100,6 +100,9 @@ class ExperimentConfig:
   seed: int = 0
   mesh_shape: tuple = (1, 1, 1, 1)
   sandbox_pool: int = 4
+  # Share of the devices that serve inference (samplers); the rest form the learner's mesh. With
+  # one device (this CPU) both share it. See pipeline/resources.py.
+  inference_fraction: float = 1 / 3
   train_tasks: Optional[int] = None    # use only the first N train tasks (None: all)
   heldout_tasks: Optional[int] = None  # evaluate only the first N held-out tasks (None: all)
 
@@ -107,6 +110,8 @@ class ExperimentConfig:
     if len(self.mesh_shape) != 4 or any(int(s) < 1 for s in self.mesh_shape):
       raise ValueError(f"mesh_shape must be four positive sizes (data, fsdp, expert, tensor), "
                        f"got {self.mesh_shape}")
+    if not 0.0 < self.inference_fraction < 1.0:
+      raise ValueError(f"inference_fraction must lie in (0, 1), got {self.inference_fraction}")
     longest = self.rl.pipeline.seq_len
     if longest > self.model.max_seq_len:
       raise ValueError(f"rl.pipeline.seq_len ({longest}) exceeds the model's max_seq_len "

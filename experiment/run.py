@@ -14,6 +14,7 @@ import os
 import time
 from typing import Callable, Optional
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -26,6 +27,7 @@ from moe import build
 from moe import checkpoint as moe_checkpoint
 from moe import sharding
 from pipeline import local
+from pipeline import resources
 from rl import pretrain_data
 from rl.learner import Learner
 from rl.objectives import PolicyLossConfig
@@ -111,7 +113,10 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
   all_tasks = suite_pyfunc.generate()
   train = suite_pyfunc.split(all_tasks, "train")[:cfg.train_tasks]
   heldout = suite_pyfunc.split(all_tasks, "test")[:cfg.heldout_tasks]
-  mesh = sharding.make_mesh(cfg.mesh_shape)
+  # Samplers use the first devices of the split (the engines run on the default device, the
+  # first of them); the learner's mesh is laid over the rest. One device: both share it.
+  split = resources.split_devices(jax.devices(), cfg.inference_fraction)
+  mesh = sharding.make_mesh(cfg.mesh_shape, devices=split.learner_devices)
   pool = pool_lib.WarmPool(size=cfg.sandbox_pool)
   timings = {}
   try:
