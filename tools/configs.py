@@ -173,6 +173,16 @@ def validate_experiment(cfg: ExperimentConfig, num_devices: Optional[int] = None
                         f"data x fsdp ({axes['data']} x {axes['fsdp']} = {split}), the axes "
                         f"the batch is split over")
   _check_devices(cfg.mesh_shape, num_devices)
+  if num_devices is not None and num_devices > 1:
+    from pipeline import resources  # pylint: disable=g-import-not-at-top
+    learner = len(resources.split_devices(range(num_devices),
+                                          cfg.inference_fraction).learner_devices)
+    if math.prod(cfg.mesh_shape) > learner:
+      raise ConfigError(
+          f"impossible mesh: mesh_shape {tuple(cfg.mesh_shape)} needs "
+          f"{math.prod(cfg.mesh_shape)} devices but the learner gets {learner} of {num_devices} "
+          f"(ExperimentConfig.inference_fraction = {cfg.inference_fraction:.3g} goes to the "
+          "samplers)")
 
 
 def _bound(selector: str) -> bool:

@@ -129,6 +129,15 @@ def test_bindings_nothing_uses():
     configs.load_experiment([TINY, f"{RUNS}/eval.gin"], REQUIRED[5:] + rl_only, num_devices=1)
 
 
+def test_mesh_must_fit_the_learner_share_of_devices():
+  with pytest.raises(configs.ConfigError, match="the learner gets 5 of 8"):
+    configs.load_experiment([DEFAULT], ["ExperimentConfig.mesh_shape = (8, 1, 1, 1)"],
+                            num_devices=8)
+  cfg = configs.load_experiment([DEFAULT], ["ExperimentConfig.mesh_shape = (4, 1, 1, 1)"],
+                                num_devices=8)
+  assert cfg.inference_fraction == pytest.approx(1 / 3)
+
+
 def test_negative_staleness():
   with pytest.raises(configs.ConfigError, match="max_staleness must be >= 0, got -1"):
     configs.load_experiment([DEFAULT], ["PipelineConfig.max_staleness = -1"], num_devices=1)
@@ -160,9 +169,10 @@ def test_impossible_meshes():
                                         "PretrainConfig.batch_rows = 30"], num_devices=4)
   with pytest.raises(configs.ConfigError, match="four positive sizes"):
     configs.load_experiment([DEFAULT], ["ExperimentConfig.mesh_shape = (1, 1)"], num_devices=1)
-  # A mesh the devices and the model take passes; the device count defaults to jax's.
+  # A mesh the learner's share of the devices and the model take passes (12 devices: 4 serve
+  # inference, 8 train); the device count defaults to jax's.
   cfg = configs.load_experiment([DEFAULT], ["ExperimentConfig.mesh_shape = (2, 2, 2, 1)"],
-                                num_devices=8)
+                                num_devices=12)
   assert cfg.mesh_shape == (2, 2, 2, 1)
   with pytest.raises(configs.ConfigError, match="needs 8 devices"):
     configs.load_experiment([DEFAULT], ["ExperimentConfig.mesh_shape = (2, 2, 2, 1)"])
@@ -187,7 +197,7 @@ def test_validate_mesh_directly():
   # Only the batches of phases that run must split over data x fsdp.
   skip_pretrain = PretrainConfig(steps=0, batch_rows=3)
   configs.validate_experiment(
-      ExperimentConfig(model=model, pretrain=skip_pretrain, mesh_shape=(2, 1, 1, 1)), 2)
+      ExperimentConfig(model=model, pretrain=skip_pretrain, mesh_shape=(2, 1, 1, 1)), 3)
   with pytest.raises(configs.ConfigError, match=r"PipelineConfig.batch_rows \(64\)"):
     configs.validate_experiment(
         ExperimentConfig(model=model, pretrain=skip_pretrain, mesh_shape=(1, 3, 1, 1)), 3)
