@@ -73,7 +73,7 @@ def check_capacity(tasks: Sequence, config: PipelineConfig, tokenizer=None) -> N
                      f"{need} rows of {config.seq_len}; batch_rows is {config.batch_rows}")
 
 
-def _swap_into(engine):
+def swap_into(engine):
   """The subscriber's apply_fn: a stopped (dead) sampler has nothing left to update."""
   def apply(flat, version):
     try:
@@ -81,6 +81,14 @@ def _swap_into(engine):
     except EngineStopped:
       log.info("sampler stopped; weight update %d not applied", version)
   return apply
+
+
+def group_sink(writer):
+  """The controller's sink: a group's episodes become visible to the learner as one shard."""
+  def sink(episodes):
+    writer.write_all(episodes)
+    writer.flush()
+  return sink
 
 
 @dataclasses.dataclass
@@ -158,7 +166,7 @@ def run(*, learner, tasks: Sequence, pool, workdir: str, config: PipelineConfig,
   engines, subscribers, threads = [], [], []
   for i in range(num_samplers):
     eng = Engine.from_flat(flat0, cfg, config=engine_config, version=v0, tokenizer=tokenizer)
-    sub = subscriber_lib.Subscriber(channel.store, _swap_into(eng))
+    sub = subscriber_lib.Subscriber(channel.store, swap_into(eng))
     sub.adopt(flat0, v0, publisher_lib.read_manifest(channel.store, v0).digest)
     engines.append(eng)
     subscribers.append(sub)
@@ -173,13 +181,9 @@ def run(*, learner, tasks: Sequence, pool, workdir: str, config: PipelineConfig,
   writer = trajectory_io.TrajectoryWriter(traj_dir, f"controller-{int(time.time() * 1e3)}",
                                           records_per_shard=config.attempts)
 
-  def sink(episodes):
-    writer.write_all(episodes)
-    writer.flush()
-
   controller = controller_lib.RolloutController(
-      tasks, sampler_set, pool, sink, config=config, reward_config=reward_config,
-      on_group=on_group, grade_fn=grade_fn)
+      tasks, sampler_set, pool, group_sink(writer), config=config,
+      reward_config=reward_config, on_group=on_group, grade_fn=grade_fn)
   controller.groups_written = done_groups
   errors: list = []
 

@@ -90,7 +90,7 @@ def run_sampler(workdir: str, *, port: int, max_slots: int = 64, max_len: int = 
                 sync_interval_s: float = 0.05) -> None:
   """Serves the newest published weights over HTTP and follows new versions (blocking)."""
   from moe.tokenizer import ByteTokenizer  # pylint: disable=g-import-not-at-top
-  from pipeline.local import _swap_into  # pylint: disable=g-import-not-at-top
+  from pipeline.local import swap_into  # pylint: disable=g-import-not-at-top
   from rollout import server  # pylint: disable=g-import-not-at-top
   from rollout.engine import Engine, EngineConfig  # pylint: disable=g-import-not-at-top
   from sync import publisher as publisher_lib  # pylint: disable=g-import-not-at-top
@@ -101,7 +101,7 @@ def run_sampler(workdir: str, *, port: int, max_slots: int = 64, max_len: int = 
   engine = Engine.from_flat(flat, cfg, version=version, tokenizer=tok,
                             config=EngineConfig(max_slots=max_slots, max_len=max_len,
                                                 eos_token_ids=(tok.eos_id,)))
-  sub = subscriber_lib.Subscriber(store, _swap_into(engine))
+  sub = subscriber_lib.Subscriber(store, swap_into(engine))
   sub.adopt(flat, version, publisher_lib.read_manifest(store, version).digest)
   stop = threading.Event()
   threading.Thread(target=sub.run, args=(stop, sync_interval_s), daemon=True).start()
@@ -128,6 +128,7 @@ def run_controller(workdir: str, sampler_urls: Sequence[str], config: PipelineCo
   from envs import suite_pyfunc  # pylint: disable=g-import-not-at-top
   from pipeline import controller as controller_lib  # pylint: disable=g-import-not-at-top
   from pipeline import samplers as samplers_lib  # pylint: disable=g-import-not-at-top
+  from pipeline.local import group_sink  # pylint: disable=g-import-not-at-top
   from rl import trajectory_io  # pylint: disable=g-import-not-at-top
   p = paths(workdir)
   tasks = suite_pyfunc.split(suite_pyfunc.generate(), "train")[:num_tasks]
@@ -142,14 +143,10 @@ def run_controller(workdir: str, sampler_urls: Sequence[str], config: PipelineCo
   writer = trajectory_io.TrajectoryWriter(p["trajectories"], f"controller-{int(time.time())}",
                                           records_per_shard=config.attempts)
 
-  def sink(episodes):
-    writer.write_all(episodes)
-    writer.flush()
-
   pool = pool_lib.WarmPool(size=pool_size)
   try:
     ctl = controller_lib.RolloutController(
-        tasks, sampler_set, pool, sink, config=config,
+        tasks, sampler_set, pool, group_sink(writer), config=config,
         on_group=lambda g: print(f"group {g.index} {g.task_id} rewards {g.rewards}", flush=True))
     ctl.groups_written = done // config.attempts
     return ctl.run(steps)
