@@ -168,6 +168,24 @@ class Engine:
       QueueFull: the queue holds max_queue completions already.
       EngineStopped: the engine is not running.
     """
+    handle = self._make_handle(prompt_token_ids, params, timeout, on_tokens)
+    self._enqueue([handle])
+    return handle
+
+  def submit_batch(self, prompts: Sequence[Sequence[int]], params: SamplingParams = SamplingParams(),
+                   *, timeout: Optional[float] = None,
+                   on_tokens: Optional[Callable] = None) -> list:
+    """Submits several prompts with the same settings; returns their handles in order.
+
+    All or nothing: every prompt is checked first, and the batch is queued in one step (so the
+    engine prefills it together) or not at all (ValueError / QueueFull / EngineStopped).
+    """
+    handles = [self._make_handle(p, params, timeout, on_tokens) for p in prompts]
+    self._enqueue(handles)
+    return handles
+
+  def _make_handle(self, prompt_token_ids, params: SamplingParams, timeout, on_tokens):
+    """Validates one request (ValueError with a clear message) and builds its handle."""
     prompt = self._check_prompt(prompt_token_ids, params)
     stop_ids = tuple(sorted(set(params.stop_token_ids) | (
         set() if params.ignore_eos else set(self.config.eos_token_ids))))
@@ -182,23 +200,20 @@ class Engine:
     if params.seed is None:
       params = dataclasses.replace(params, seed=int(self._rng.integers(0, 2**32)))
     deadline = None if timeout is None else time.monotonic() + timeout
-    handle = RequestHandle(prompt, params, stop_ids, deadline, on_tokens)
+    return RequestHandle(prompt, params, stop_ids, deadline, on_tokens)
+
+  def _enqueue(self, handles: list) -> None:
+    need = sum(h.params.n for h in handles)
     with self._cv_lock:
       if self._thread is None or self._stopping:
         raise EngineStopped("the engine is not running")
-      if self._queued_completions + params.n > self.config.max_queue:
-        self.stats["rejected_total"] += 1
+      if self._queued_completions + need > self.config.max_queue:
+        self.stats["rejected_total"] += len(handles)
         raise QueueFull(f"queue full ({self._queued_completions} completions waiting)")
-      self._queue.append(handle)
-      self._queued_completions += params.n
-      self.stats["requests_total"] += 1
+      self._queue.extend(handles)
+      self._queued_completions += need
+      self.stats["requests_total"] += len(handles)
       self._cv_lock.notify_all()
-    return handle
-
-  def submit_batch(self, prompts: Sequence[Sequence[int]], params: SamplingParams = SamplingParams(),
-                   **kw) -> list:
-    """Submits several prompts with the same settings; returns their handles in order."""
-    return [self.submit(p, params, **kw) for p in prompts]
 
   def generate(self, prompt_token_ids: Sequence[int], *, n: int = 1, max_tokens: int = 16,
                temperature: float = 1.0, stop_token_ids: Sequence[int] = (),
@@ -327,7 +342,10 @@ class Engine:
         if swap is not None:
           self._apply_swap(swap, last_chunk_end)
         self._expire()
-        self._admit()
+        # Prefill first: fill every free slot before the next decode call, so a burst of
+        # requests decodes as one batch instead of ramping up one prefill call per chunk.
+        while self._admit():
+          pass
         if any(o is not None for o in self._owner):
           self._decode()
         # A swap's pause is measured from the end of the last decode call only while requests
@@ -425,12 +443,15 @@ class Engine:
         self.stats[f"{r}_total"] += 1
       self._maybe_complete(h)
 
-  def _admit(self) -> None:
-    """Moves queued requests into free slots and prefills them (one prompt length bucket)."""
+  def _admit(self) -> bool:
+    """Moves queued requests into free slots and prefills them (one prompt length bucket).
+
+    Returns whether anything was admitted (the loop calls it until nothing more fits).
+    """
     ec = self.config
     free = [i for i, o in enumerate(self._owner) if o is None]
     if not free:
-      return
+      return False
     batch, used = [], 0
     with self._cv_lock:
       bucket = None
@@ -448,6 +469,7 @@ class Engine:
         used += h.params.n
     if batch:
       self._prefill(batch, bucket)
+    return bool(batch)
 
   def _len_bucket(self, n: int) -> int:
     return min(_pow2_at_least(n, self.config.min_prefill_len), self.max_len)

@@ -131,6 +131,30 @@ def test_bounded_queue_rejects_then_recovers(engine):
     assert [c.finish_reason for c in h.result(timeout=60)] == ["length", "length"]
 
 
+def test_a_burst_is_prefilled_before_decoding_and_submit_batch_is_all_or_nothing(model):
+  """Prefill first: 8 queued requests fill all 8 slots (4 prefill calls of 2 rows) before the
+  first decode call, so the batch decodes together: 8 more tokens in 4-step calls = 2 calls.
+  (Interleaving one prefill per decode call would need 5+ decode calls.)"""
+  eng = Engine(model, config=EngineConfig(max_slots=8, max_len=64, decode_steps=4,
+                                          prefill_rows=2, max_queue=8))
+  try:
+    eng.generate(PROMPTS[0], max_tokens=5)  # compile outside the counted run
+    before = dict(eng.stats)
+    prompts = [[11 + i, 3, 4, 5, 6] for i in range(8)]
+    hs = eng.submit_batch(prompts, SamplingParams(max_tokens=9, temperature=0.0))
+    assert all(len(h.result(timeout=120)[0].token_ids) == 9 for h in hs)
+    assert eng.stats["prefill_calls_total"] - before["prefill_calls_total"] == 4
+    assert eng.stats["decode_calls_total"] - before["decode_calls_total"] == 2
+    # A batch that does not fit the queue, or holds one bad prompt, queues nothing.
+    with pytest.raises(QueueFull):
+      eng.submit_batch(prompts + [prompts[0]], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError):
+      eng.submit_batch([prompts[0], []], SamplingParams(max_tokens=2))
+    assert eng.metrics()["queue_depth"] == 0
+  finally:
+    eng.stop()
+
+
 def test_bad_requests_raise_clear_errors(engine):
   with pytest.raises(ValueError, match="empty"):
     engine.generate([], max_tokens=2)
