@@ -22,7 +22,7 @@ def test_synthetic_rows_hit_their_fractions_and_beat_xor():
     assert r.ratio > 1.5 * r.xor_ratio and r.encode_GBps > 0 and r.memcpy_GBps > 0
     assert r.apply_GBps > 0 and r.decode_fresh_GBps > 0 and r.memcpy_fresh_GBps > 0
     assert r.apply_vs_memcpy == r.apply_GBps / r.memcpy_GBps
-  assert rows[0].kinds == {"sparse": sum(rows[0].kinds.values())}
+  assert rows[0].kinds == {"sparse_unit": sum(rows[0].kinds.values())}
   table = bench.markdown(rows)
   assert "| synthetic bf16, 4% target |" in table and "apply / memcpy" in table
   report = bench.terabyte_report(rows[0])

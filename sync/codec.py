@@ -19,6 +19,15 @@ bit-identical, and a weight that does change usually moves by one or two ulps. T
   where the zig-zag difference costs ~1. Zig-zag maps +-1 to 2/1, so the high byte planes are
   all zero and vanish under zstd.
 
+* Most changes are one step: +-1 in the integer bit pattern. The SPARSE_UNIT form folds that
+  sign into the gap: one code (gap << 1) | sign per change (byte planes, as few as the largest
+  code needs), plus a short exception list (change index, zig-zag difference) for other steps.
+  Against SPARSE (3 gap planes + the value planes) that is ~7% smaller on +-1 ulp updates and,
+  more to the point, zstd's Huffman stage has half the symbols to decode and the kernel a
+  third of the bytes to read: at 4% changed, per 128 MB on one core, zstd 5.3 -> 2.5 ms and the
+  kernel 10.9 -> 6.8 ms. The encoder uses it when at most 1/16 of the changes are exceptions
+  (a wider exception costs ~3 more bytes than a SPARSE value), SPARSE otherwise.
+
 For dense changes the position stream stops paying for itself, so the encoder can also use a
 DENSE form (zig-zag difference of every element, byte-plane split, zstd). Measured on +-1 ulp
 updates, sparse stays smaller up to ~50% changed (0.76x of dense at 30%), and is also 3-10x
@@ -30,8 +39,8 @@ Chunks that are identical cost a few bytes (SAME). Tensors without a usable base
 
 Decoding: `apply_chunk` adds a payload's changes into a chunk in place (or subtracts them
 again to undo: unsigned arithmetic wraps, so the subtraction is the exact inverse), with a cost
-proportional to the changed elements; SPARSE chunks go through the fused kernel in `kernels`
-(numba when installed), which also returns the chunk's *changes hash*. The encoder computes the
+proportional to the changed elements; SPARSE and SPARSE_UNIT chunks go through the fused
+kernels in `kernels` (numba when installed), which also return the chunk's *changes hash*. The encoder computes the
 same hash over (position, old bits, new bits) of every changed element, so a caller that knows
 its chunk held the parent's bits can check the result without hashing the whole chunk.
 `decode_changes` / `apply_changes` are the plain numpy forms (DENSE and RAW use them).
@@ -51,7 +60,10 @@ SAME = 0  # Chunk unchanged: empty payload.
 SPARSE = 1  # Gap byte planes + zig-zag value byte planes.
 DENSE = 2  # Zig-zag difference of every element, byte planes.
 RAW = 3  # New bits only (no base), byte planes.
-KIND_NAMES = {SAME: "same", SPARSE: "sparse", DENSE: "dense", RAW: "raw"}
+SPARSE_UNIT = 4  # (gap << 1 | sign) code planes + exceptions (blob format >= 3).
+KIND_NAMES = {SAME: "same", SPARSE: "sparse", DENSE: "dense", RAW: "raw",
+              SPARSE_UNIT: "sparse_unit"}
+SPARSE_KINDS = (SPARSE, SPARSE_UNIT)
 
 # Below this sampled changed fraction only the sparse form is built, above _DENSE_ONLY only the
 # dense one; in between both (see the module docstring for the measurements).
@@ -63,6 +75,10 @@ _SAMPLE_BLOCK = 512
 MAX_CHUNK_ELEMS = 1 << 24
 
 _SPARSE_HEAD = struct.Struct("<I")  # number of changed elements
+# SPARSE_UNIT: changed elements, exceptions, bytes per code; then the code planes, the
+# exceptions' change indices (3 byte planes, increasing), their zig-zag differences (planes).
+_UNIT_HEAD = kernels.UNIT_HEAD
+_MAX_EXCEPTIONS = 1 / 16  # of the changes, for SPARSE_UNIT
 
 
 class CodecError(ValueError):
@@ -117,6 +133,22 @@ def _gaps_to_pos(buf, count: int) -> np.ndarray:
   return pos
 
 
+def _unit_body(pos: np.ndarray, diff: np.ndarray):
+  """The SPARSE_UNIT body for changes `diff` (wrapped differences) at positions `pos`, or None
+  if more than _MAX_EXCEPTIONS of them are not +-1 steps."""
+  minus = diff == np.iinfo(diff.dtype).max  # -1, wrapped
+  exc = np.flatnonzero(~minus & (diff != 1))
+  if exc.size > _MAX_EXCEPTIONS * pos.size:
+    return None
+  gaps = np.diff(pos, prepend=-1) - 1
+  codes = (gaps.astype(np.uint32) << np.uint32(1)) | minus
+  cb = max(1, (int(codes.max()).bit_length() + 7) // 8)
+  code_planes = np.ascontiguousarray(codes.view(np.uint8).reshape(-1, 4)[:, :cb].T)
+  idx = np.ascontiguousarray(exc.astype("<u4").view(np.uint8).reshape(-1, 4)[:, :3].T)
+  return (_UNIT_HEAD.pack(pos.size, exc.size, cb) + code_planes.tobytes() + idx.tobytes() +
+          _planes(_zigzag(diff[exc])))
+
+
 def sample_fraction(base: np.ndarray, new: np.ndarray) -> float:
   """Changed fraction estimated from evenly spread blocks (exact for small chunks)."""
   n = new.size
@@ -137,7 +169,8 @@ def encode_chunk(base, new, cctx: zstandard.ZstdCompressor):
 
   Returns:
     (kind, payload bytes, number of changed elements, changes hash): the last is
-    `kernels.changes_hash` of the changed elements for SPARSE chunks, 0 for the other kinds.
+    `kernels.changes_hash` of the changed elements for SPARSE and SPARSE_UNIT chunks, 0 for
+    the other kinds.
   """
   if base is None:
     return RAW, cctx.compress(_planes(new)), new.size, 0
@@ -152,14 +185,18 @@ def encode_chunk(base, new, cctx: zstandard.ZstdCompressor):
   if nnz == 0:
     return SAME, b"", 0, 0
   old, upd = base[pos], new[pos]
-  values = _zigzag(upd - old)
-  sparse = cctx.compress(_SPARSE_HEAD.pack(nnz) + _gap_planes(pos) + _planes(values))
+  diff = upd - old
+  body = _unit_body(pos, diff)
+  kind = SPARSE if body is None else SPARSE_UNIT
+  if body is None:
+    body = _SPARSE_HEAD.pack(nnz) + _gap_planes(pos) + _planes(_zigzag(diff))
+  sparse = cctx.compress(body)
   if nnz < _SPARSE_ONLY * new.size:
-    return SPARSE, sparse, nnz, kernels.changes_hash(pos, old, upd)
+    return kind, sparse, nnz, kernels.changes_hash(pos, old, upd)
   dense = cctx.compress(_planes(_zigzag(new - base)))
   if len(dense) < len(sparse):
     return DENSE, dense, nnz, 0
-  return SPARSE, sparse, nnz, kernels.changes_hash(pos, old, upd)
+  return kind, sparse, nnz, kernels.changes_hash(pos, old, upd)
 
 
 def _decompress(kind: int, payload, n: int, itemsize: int, dctx):
@@ -168,9 +205,12 @@ def _decompress(kind: int, payload, n: int, itemsize: int, dctx):
     if len(payload):
       raise CodecError("SAME chunk with a payload")
     return None
-  if kind not in (SPARSE, DENSE, RAW):
+  if kind not in (SPARSE, DENSE, RAW, SPARSE_UNIT):
     raise CodecError(f"unknown chunk kind {kind}")
-  limit = _SPARSE_HEAD.size + n * (3 + itemsize)
+  if kind == SPARSE_UNIT:
+    limit = _UNIT_HEAD.size + n * (7 + itemsize)
+  else:
+    limit = _SPARSE_HEAD.size + n * (3 + itemsize)
   try:
     size = zstandard.frame_content_size(payload)
     if not 0 <= size <= limit:  # -1: unknown size; also guards against decompression bombs
@@ -181,7 +221,7 @@ def _decompress(kind: int, payload, n: int, itemsize: int, dctx):
 
 
 def apply_chunk(kind: int, payload, out: np.ndarray, dctx: zstandard.ZstdDecompressor,
-                undo: bool = False) -> int:
+                undo: bool = False, hash_limit: float = 1.0):
   """Adds a payload's changes into the chunk `out` in place (`undo`: subtracts them).
 
   Args:
@@ -190,30 +230,39 @@ def apply_chunk(kind: int, payload, out: np.ndarray, dctx: zstandard.ZstdDecompr
     out: 1-D C-contiguous unsigned-integer view of the chunk (the base's bits on entry).
     dctx: a zstd decompressor (one per thread).
     undo: subtract instead (exact inverse; RAW chunks cannot be undone).
+    hash_limit: return the changes hash of a SPARSE / SPARSE_UNIT chunk only if at most this
+      fraction of its elements changed (0: never; SPARSE_UNIT then skips computing it).
 
   Returns:
-    The changes hash for SPARSE chunks (see `kernels`), 0 for the other kinds.
+    The changes hash (see `kernels`), or None where it was not asked for or the kind has none.
 
   Raises:
     CodecError: damaged payload, or one that does not fit the chunk; `out` is unchanged.
   """
-  if kind != SPARSE:
+  if kind not in SPARSE_KINDS:
     apply_changes(kind, decode_changes(kind, payload, out.size, out.dtype, dctx), out,
                   undo=undo)
-    return 0
+    return None
   raw = _decompress(kind, payload, out.size, out.itemsize, dctx)
-  h = kernels.sparse_apply(raw, out, undo)
+  # Both bodies start with the u32 change count (checked by the kernels' parsers).
+  nnz = _SPARSE_HEAD.unpack_from(raw)[0] if len(raw) >= _SPARSE_HEAD.size else 0
+  want = 0 < nnz <= hash_limit * out.size
+  if kind == SPARSE:
+    h = kernels.sparse_apply(raw, out, undo)
+  else:
+    h = kernels.unit_apply(raw, out, undo, want_hash=want)
   if h is None:
-    raise CodecError("SPARSE payload has the wrong length or a position outside the chunk")
-  return h
+    raise CodecError(f"{KIND_NAMES[kind].upper()} payload has the wrong length or layout, or "
+                     "a position outside the chunk")
+  return h if want else None
 
 
 def decode_changes(kind: int, payload, n: int, dtype, dctx: zstandard.ZstdDecompressor):
   """What a payload changes in a chunk of `n` elements of unsigned `dtype` (no side effects).
 
   Returns:
-    SAME: None; SPARSE: (positions (intp, increasing), values to add); DENSE: the difference
-    to add to every element; RAW: the new elements.
+    SAME: None; SPARSE, SPARSE_UNIT: (positions (intp, increasing), values to add); DENSE: the
+    difference to add to every element; RAW: the new elements.
 
   Raises:
     CodecError: damaged payload, or one that does not fit the chunk.
@@ -228,6 +277,19 @@ def decode_changes(kind: int, payload, n: int, dtype, dctx: zstandard.ZstdDecomp
       raise CodecError(f"{KIND_NAMES[kind].upper()} payload has the wrong length")
     words = _unplanes(raw, dtype, n)
     return words if kind == RAW else _unzigzag(words)
+  if kind == SPARSE_UNIT:
+    parsed = kernels.parse_unit(np.frombuffer(raw, np.uint8), n, itemsize)
+    if parsed is None:
+      raise CodecError("SPARSE_UNIT payload has the wrong length or layout")
+    nnz, cb, idx, vals = parsed
+    c = kernels._planes_to_u64(  # pylint: disable=protected-access
+        np.frombuffer(raw, np.uint8, nnz * cb, _UNIT_HEAD.size), nnz, cb)
+    pos = np.cumsum((c >> np.uint64(1)).astype(np.intp) + 1) - 1
+    if pos[-1] >= n:
+      raise CodecError("SPARSE_UNIT position outside the chunk")
+    values = np.where(c & np.uint64(1), ~np.uint64(0), np.uint64(1))
+    values[idx] = vals
+    return pos, values.astype(dtype)
   (nnz,) = _SPARSE_HEAD.unpack_from(raw)
   if not 0 < nnz <= n or len(raw) != _SPARSE_HEAD.size + nnz * (3 + itemsize):
     raise CodecError("SPARSE payload has the wrong length")
@@ -249,7 +311,7 @@ def apply_changes(kind: int, changes, out: np.ndarray, base=None, undo: bool = F
   if kind == SAME:
     if src is not out:
       np.copyto(out, src)
-  elif kind == SPARSE:
+  elif kind in SPARSE_KINDS:
     if src is not out:
       np.copyto(out, src)
     pos, values = changes
@@ -270,9 +332,9 @@ def decode_chunk(kind: int, payload, base, out, dctx: zstandard.ZstdDecompressor
   """
   if base is None and kind != RAW:
     raise CodecError(f"chunk kind {kind} needs a base")
-  if kind == SPARSE:
+  if kind in SPARSE_KINDS:
     if base is not out:
       np.copyto(out, base)
-    apply_chunk(kind, payload, out, dctx)
+    apply_chunk(kind, payload, out, dctx, hash_limit=0.0)  # the caller hashes the result
     return
   apply_changes(kind, decode_changes(kind, payload, out.size, out.dtype, dctx), out, base)

@@ -54,6 +54,52 @@ def test_gaps_span_all_three_planes():
   np.testing.assert_array_equal(out, new)
 
 
+@pytest.mark.parametrize("dtype", [np.uint16, np.uint32])
+def test_unit_steps_fold_into_the_gap_codes(dtype):
+  """+-1 steps give SPARSE_UNIT (smaller than SPARSE); gaps up to 2**24 - 1 need 4 code
+  bytes; other steps are exceptions; every decoding path agrees."""
+  cctx, dctx = _ctx()
+  n = 1 << 24
+  base = np.zeros(n, dtype)
+  base[::4096] = np.arange(n // 4096, dtype=dtype)
+  new = base.copy()
+  pos = np.array([0, 1, 2, 300, 70_000, 5_000_000, n - 1])
+  new[pos] += np.array([1, -1, 1, -1, 1, 1, -1]).astype(dtype)  # +-1, wrapping below 0
+  kind, payload, nnz, ch = codec.encode_chunk(base, new, cctx)
+  assert kind == codec.SPARSE_UNIT and nnz == pos.size
+  raw = dctx.decompress(payload)
+  assert codec._UNIT_HEAD.unpack_from(raw) == (pos.size, 0, 4)  # gap n - 5_000_002: 4 bytes
+  got_pos, values = codec.decode_changes(kind, payload, n, dtype, dctx)
+  np.testing.assert_array_equal(got_pos, pos)
+  np.testing.assert_array_equal(values, new[pos] - base[pos])
+  out = np.empty_like(base)
+  codec.decode_chunk(kind, payload, base, out, dctx)
+  np.testing.assert_array_equal(out, new)
+  inplace = base.copy()
+  assert codec.apply_chunk(kind, payload, inplace, dctx) == ch
+  np.testing.assert_array_equal(inplace, new)
+  assert codec.apply_chunk(kind, payload, inplace, dctx, undo=True, hash_limit=0.0) is None
+  np.testing.assert_array_equal(inplace, base)
+  # Many steps that are not +-1: SPARSE; a few: exceptions inside SPARSE_UNIT.
+  rng = np.random.default_rng(0)
+  many = base.copy()
+  idx = np.flatnonzero(rng.random(n) < 0.001)
+  many[idx] += rng.integers(1, 3, idx.size).astype(dtype)
+  assert codec.encode_chunk(base, many, cctx)[0] == codec.SPARSE
+  few = base.copy()
+  few[idx] += dtype(1)
+  few[idx[::20]] += dtype(2)  # 1/20 of the changes are steps of 3
+  kind, payload, _, ch = codec.encode_chunk(base, few, cctx)
+  assert kind == codec.SPARSE_UNIT and codec._UNIT_HEAD.unpack_from(
+      dctx.decompress(payload))[1] == idx[::20].size
+  out = base.copy()
+  assert codec.apply_chunk(kind, payload, out, dctx) == ch
+  np.testing.assert_array_equal(out, few)
+  sparse = cctx.compress(codec._SPARSE_HEAD.pack(idx.size) + codec._gap_planes(idx) +
+                         codec._planes(codec._zigzag(few[idx] - base[idx])))
+  assert len(payload) < len(sparse)
+
+
 def test_raw_roundtrip_and_damage_detected():
   cctx, dctx = _ctx()
   new = np.arange(1000, dtype=np.uint16)

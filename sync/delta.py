@@ -21,7 +21,7 @@ Blob layout (little-endian):
   header:  MAGIC, u32 length, JSON {format, chunk_elems, tensors: [[name, dtype, shape, raw]]}
   records: one per chunk, in header order: u32 tensor, u32 chunk, u8 kind, 3 pad,
            u64 payload length, u64 xxh3 of the payload, u64 xxh3 of the base chunk,
-           u64 xxh3 of the rebuilt chunk, u64 changes hash (SPARSE; 0 otherwise),
+           u64 xxh3 of the rebuilt chunk, u64 changes hash (SPARSE, SPARSE_UNIT; 0 otherwise),
            u32 xxh32 of those 52 bytes; then the payload (see `codec`).
   trailer: END_MAGIC, u64 record count, 32-char parent digest, 32-char new digest, u32 xxh32.
 
@@ -43,7 +43,9 @@ differ, so an unlisted element keeps P's bits, which equal N's; for a listed ele
 changes hash over (position, bits before, bits after) that the kernel computed while writing
 must equal the encoder's hash over (position, P's bits, N's bits), so the element held P's bits
 and now holds N's (up to a 2**-64 collision, as for the xxh3-64 chunk hashes). Hence the result
-is N bit-exactly. DENSE and RAW chunks (every element changes anyway) are still hashed whole.
+is N bit-exactly. DENSE and RAW chunks (every element changes anyway) are still hashed whole, and
+so are sparse chunks with more than `_CHANGES_HASH_LIMIT` of their elements changed (there one
+xxh3 pass over the just-written chunk costs less than mixing every change).
 What this mode does not see is held memory that differs from P at an *unchanged* position while
 the caller claims it is P; callers that cannot vouch for their arrays use check="result"
 (the default without `expect_parent`) or `verify_base=True`.
@@ -69,7 +71,15 @@ from sync import weights
 
 MAGIC = b"SYNCDLT1"
 END_MAGIC = b"SYNCEND1"
-FORMAT = 2  # 2: records carry the changes hash
+FORMAT = 3  # 2: records carry the changes hash; 3: adds SPARSE_UNIT chunks
+# Chunk kinds each readable format may hold (format 2 blobs still decode).
+_KINDS = {2: frozenset((codec.SAME, codec.SPARSE, codec.DENSE, codec.RAW)),
+          3: frozenset((codec.SAME, codec.SPARSE, codec.DENSE, codec.RAW, codec.SPARSE_UNIT))}
+# With check="changes", a sparse chunk with more than this fraction of its elements changed is
+# checked by xxh3 of the rebuilt chunk instead: mixing every change costs ~1.2 ns, hashing the
+# just-written (cached) chunk ~0.03 ns per element, so beyond a few percent the hash is cheaper
+# (and it proves more).
+_CHANGES_HASH_LIMIT = 1 / 8
 _LEN = struct.Struct("<I")
 _REC = struct.Struct("<IIB3xQQQQQ")
 _CHECK = struct.Struct("<I")
@@ -259,7 +269,7 @@ def _read_header(reader) -> dict:
     raise DeltaError("header too large")
   try:
     head = json.loads(bytes(reader.read(n)))
-    if head["format"] != FORMAT:
+    if head["format"] not in _KINDS:
       raise DeltaError(f"unsupported format {head['format']}")
     if not 0 < head["chunk_elems"] <= codec.MAX_CHUNK_ELEMS:
       raise DeltaError("bad chunk_elems")
@@ -291,8 +301,9 @@ def read_trailer(blob) -> tuple[str, str]:
   return parent.decode(), digest.decode()
 
 
-def _records(reader, expected, chunk_elems, itemsizes):
+def _records(reader, expected, chunk_elems, itemsizes, fmt):
   """Yields verified (ti, ci, kind, payload, base hash, new hash, changes hash) records."""
+  kinds = _KINDS[fmt]
   for ti, ci in expected:
     rec = reader.read(_REC.size)
     (check,) = _CHECK.unpack(reader.read(_CHECK.size))
@@ -301,6 +312,9 @@ def _records(reader, expected, chunk_elems, itemsizes):
     rti, rci, kind, plen, ph, bh, nh, ch = _REC.unpack(rec)
     if (rti, rci) != (ti, ci):
       raise DeltaError(f"records out of order: got ({rti},{rci}), want ({ti},{ci})")
+    if kind not in kinds:
+      raise DeltaError(f"chunk kind {kind} is not valid in format {fmt} (tensor {ti} "
+                       f"chunk {ci})")
     if plen > 2 * chunk_elems * itemsizes[ti] + 1024:
       raise DeltaError("payload length is implausible")
     payload = bytes(reader.read(plen))
@@ -407,7 +421,7 @@ def decode_stream(base: Mapping[str, np.ndarray], source, *, workers=None,
   last_ti = -1
   w = _workers(workers)
   with concurrent.futures.ThreadPoolExecutor(w) as pool:
-    recs = _records(reader, expected, chunk_elems, [o.itemsize for o in outw])
+    recs = _records(reader, expected, chunk_elems, [o.itemsize for o in outw], head["format"])
     for ti, kind, nh in _ordered(pool, work, recs, 2 * w):
       if ti != last_ti:
         dig.tensor(*tensors[ti][:3])
@@ -459,8 +473,9 @@ def apply_inplace(base: Mapping[str, np.ndarray], source, *, workers=None,
       mutating (one more pass over the weights; without it a wrong base is caught by the result
       hashes or the changes hashes and rolled back).
     check: how the result is proven to be the new version. "result": xxh3 of every rebuilt
-      chunk (catches any wrong base). "changes": the changes hash of every SPARSE chunk (cost
-      proportional to the changed elements; DENSE/RAW chunks are hashed whole); needs
+      chunk (catches any wrong base). "changes": the changes hash of every sparse chunk (cost
+      proportional to the changed elements; DENSE/RAW chunks, and sparse ones with more than
+      `_CHANGES_HASH_LIMIT` of their elements changed, are hashed whole); needs
       `expect_parent` and relies on `base` holding that version (a base that differs from it
       at changed elements is still caught and rolled back). "auto" (default): "changes" when
       `expect_parent` is given, else "result".
@@ -506,7 +521,8 @@ def apply_inplace(base: Mapping[str, np.ndarray], source, *, workers=None,
       raise ValueError(f"base[{name!r}] and base[{other!r}] share memory")
   outw = [weights.words(o) for o in outs]
   # Phase 1: read and check everything; nothing is modified yet.
-  recs = list(_records(reader, expected, chunk_elems, [o.itemsize for o in outw]))
+  recs = list(_records(reader, expected, chunk_elems, [o.itemsize for o in outw],
+                       head["format"]))
   dig = weights.Digester()
   last_ti = -1
   for ti, _, _, _, _, nh, _ in recs:
@@ -540,10 +556,11 @@ def apply_inplace(base: Mapping[str, np.ndarray], source, *, workers=None,
         return False, f"tensor {tensors[ti][0]!r} chunk {ci}: kind {kind} does not fit"
       o = view(rec)
       try:
-        h = codec.apply_chunk(kind, payload, o, local.dctx)
+        h = codec.apply_chunk(kind, payload, o, local.dctx,
+                              hash_limit=_CHANGES_HASH_LIMIT if by_changes else 0.0)
       except codec.CodecError as e:
         return False, f"tensor {tensors[ti][0]!r} chunk {ci}: {e}"
-      if by_changes and kind == codec.SPARSE:
+      if h is not None:  # only with by_changes: a sparse chunk with few changes
         if h != ch:
           return True, f"changes hash mismatch at tensor {tensors[ti][0]!r} chunk {ci}"
       elif by_changes and kind == codec.SAME:
@@ -560,7 +577,7 @@ def apply_inplace(base: Mapping[str, np.ndarray], source, *, workers=None,
         if raw_t[ti]:
           return True
         o = view(rec)
-        codec.apply_chunk(kind, payload, o, local.dctx, undo=True)
+        codec.apply_chunk(kind, payload, o, local.dctx, undo=True, hash_limit=0.0)
         return weights.chunk_hash(o) == bh
       restored = _map_all(pool, undo, [r for r, (done, _) in zip(recs, results) if done], w)
       base_matches = all(restored)

@@ -263,6 +263,54 @@ def test_apply_inplace_checked_by_changes_rejects_damage_and_wrong_bits():
   assert _same_bits(held, before)
 
 
+def test_changes_check_hashes_busy_chunks_whole_and_still_rolls_back():
+  """Sparse chunks with more than _CHANGES_HASH_LIMIT of their elements changed are checked
+  by xxh3 of the result under check="changes" too: bit-exact, and a wrong base is caught."""
+  base, new = _pair(frac=0.3)
+  blob = delta.encode(base, new, chunk_elems=20_000)
+  kinds = delta.decode_stream(base, blob)[1].chunks
+  assert kinds.get("sparse_unit", 0) > 0 and delta._CHANGES_HASH_LIMIT < 0.25
+  parent = weights.digest(base, 20_000)
+  held = _copy(base)
+  assert _same_bits(delta.apply_inplace(held, blob, expect_parent=parent)[0], new)
+  same = np.flatnonzero(weights.words(base["a/w"]) == weights.words(new["a/w"]))
+  held = _copy(base)
+  weights.words(held["a/w"])[same[0]] ^= 1  # even at an unchanged element: hashed whole
+  before = _copy(held)
+  with pytest.raises(delta.DeltaError, match="rolled back"):
+    delta.apply_inplace(held, blob, workers=2, expect_parent=parent)
+  assert _same_bits(held, before)
+
+
+def test_format_2_blobs_still_decode_and_kinds_are_checked_per_format(monkeypatch):
+  base, new = _pair()
+  from sync import codec  # pylint: disable=g-import-not-at-top
+  with monkeypatch.context() as m:  # what the format-2 encoder wrote: SPARSE records
+    m.setattr(delta, "FORMAT", 2)
+    m.setattr(codec, "_MAX_EXCEPTIONS", -1)
+    old = delta.encode(base, new, chunk_elems=50_000)
+  assert delta.read_header(old)["format"] == 2
+  out, stats = delta.decode_stream(base, old)
+  assert _same_bits(out, new) and set(stats.chunks) == {"sparse"}
+  held = _copy(base)
+  delta.apply_inplace(held, old, expect_parent=weights.digest(base, 50_000))
+  assert _same_bits(held, new)
+  with monkeypatch.context() as m:  # a format-2 header over SPARSE_UNIT records
+    m.setattr(delta, "FORMAT", 2)
+    mixed = delta.encode(base, new, chunk_elems=50_000)
+  with pytest.raises(delta.DeltaError, match="not valid in format 2"):
+    delta.decode(base, mixed)
+  held = _copy(base)
+  with pytest.raises(delta.DeltaError, match="not valid in format 2"):
+    delta.apply_inplace(held, mixed)
+  assert _same_bits(held, base)
+  with monkeypatch.context() as m:
+    m.setattr(delta, "FORMAT", 9)
+    future = delta.encode(base, new, chunk_elems=50_000)
+  with pytest.raises(delta.DeltaError, match="unsupported format 9"):
+    delta.decode(base, future)
+
+
 def test_apply_inplace_rejects_unusable_buffers():
   base, new = _pair()
   blob = delta.encode(base, new)

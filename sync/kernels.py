@@ -21,6 +21,15 @@ order-independent (so numpy can compute it vectorised)
 and covers every (position, old bits, new bits) triple. `delta` records it per chunk; it lets a
 sampler whose held weights are verifiably the parent version check an in-place apply at a cost
 proportional to the changed elements (see `delta.apply_inplace`, check="changes").
+
+`unit_apply` does the same for a SPARSE_UNIT body (`codec`): one code per change,
+(gap << 1) | sign, where the sign bit says +1 or -1 in the word's integer bit pattern (one ulp
+down or up within a sign), and a short list of exceptions (change index, zig-zag difference) for
+the other steps. Folding the sign into the gap code halves the bytes zstd's entropy stage must
+produce (5 -> ~2 per bf16 change at 4%, 2.5x faster to decompress) and the kernel reads one or
+two planes instead of five (1.7x faster at 4%). The hash is optional there: a caller that
+checks the rebuilt chunk's xxh3 anyway (check="result", or chunks with many changes, where the
+per-change mixing costs more than one hash pass over the chunk) skips it.
 """
 
 import os
@@ -30,6 +39,11 @@ import numpy as np
 
 _HEAD = struct.Struct("<I")  # the SPARSE body's element count (`codec._SPARSE_HEAD`)
 _HEAD_SIZE = 4
+# SPARSE_UNIT body head: count, exceptions, bytes per code (`codec._UNIT_HEAD`).
+UNIT_HEAD = struct.Struct("<IIB")
+_UNIT_HEAD_SIZE = 9
+_NO_EXC_IDX = np.zeros(0, np.int64)
+_NO_EXC_VAL = np.zeros(0, np.uint64)
 _C = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -168,8 +182,184 @@ def _make_kernel(isz: int):
   return kernel
 
 
+def _make_unit_kernel(isz: int):
+  """The numba SPARSE_UNIT kernel for words of `isz` bytes (see `_make_kernel` for the loops)."""
+  mask = ~_ZERO if isz == 8 else np.uint64((1 << (8 * isz)) - 1)
+  small = isz <= 2
+
+  @numba.njit(nogil=True, cache=False, inline="always")
+  def mix(x):
+    x = (x ^ (x >> _S30)) * _M1
+    x = (x ^ (x >> _S27)) * _M2
+    return x ^ (x >> _S31)
+
+  @numba.njit(nogil=True, cache=False)
+  def kernel(raw, nnz, cb, exc_idx, exc_val, count, out, undo, want_hash):
+    """Applies the first `count` changes; returns (-1, hash or 0), or (k, 0) if a position
+    lies outside `out`: then only the first k changes were applied. `exc_idx` (increasing,
+    < nnz) and `exc_val` (the differences) are the decoded exceptions."""
+    n = out.size
+    ne = exc_idx.size
+    e = 0
+    nxt = exc_idx[0] if ne > 0 else np.int64(nnz)
+    p = np.int64(-1)
+    acc = _ZERO
+    if nnz * 64 >= n * isz:  # dense enough for one pass (see `_make_kernel`)
+      for i in range(count):
+        # The code's byte planes, written out here: a helper function (even numba-inlined)
+        # made this loop 4x slower.
+        c = np.int64(raw[_UNIT_HEAD_SIZE + i])
+        if cb > 1:
+          c |= np.int64(raw[_UNIT_HEAD_SIZE + nnz + i]) << 8
+        if cb > 2:
+          c |= np.int64(raw[_UNIT_HEAD_SIZE + 2 * nnz + i]) << 16
+        if cb > 3:
+          c |= np.int64(raw[_UNIT_HEAD_SIZE + 3 * nnz + i]) << 24
+        p += 1 + (c >> 1)
+        if p >= n:
+          return i, _ZERO
+        if i == nxt:
+          d = exc_val[e]
+          e += 1
+          nxt = exc_idx[e] if e < ne else np.int64(nnz)
+        else:
+          d = (_ZERO - np.uint64(c & 1)) | _ONE  # sign bit set: -1, else +1
+        old = np.uint64(out[p])
+        new = ((old - d) if undo else (old + d)) & mask
+        out[p] = new
+        if want_hash:
+          if small:
+            acc += mix(np.uint64(p) | (old << _S24) | (new << _S40))
+          else:
+            acc += mix(mix(np.uint64(p) * _C + old) ^ new)
+      return -1, acc
+    pos = np.empty(_BLOCK, np.int64)
+    olds = np.empty(_BLOCK, np.uint64)
+    for s0 in range(0, count, _BLOCK):
+      m = min(_BLOCK, count - s0)
+      for j in range(m):
+        i = s0 + j
+        c = np.int64(raw[_UNIT_HEAD_SIZE + i])
+        if cb > 1:
+          c |= np.int64(raw[_UNIT_HEAD_SIZE + nnz + i]) << 8
+        if cb > 2:
+          c |= np.int64(raw[_UNIT_HEAD_SIZE + 2 * nnz + i]) << 16
+        if cb > 3:
+          c |= np.int64(raw[_UNIT_HEAD_SIZE + 3 * nnz + i]) << 24
+        p += 1 + (c >> 1)
+        pos[j] = p
+      if p >= n:
+        return s0, _ZERO
+      for j in range(m):
+        olds[j] = np.uint64(out[pos[j]])
+      for j in range(m):
+        i = s0 + j
+        if i == nxt:
+          d = exc_val[e]
+          e += 1
+          nxt = exc_idx[e] if e < ne else np.int64(nnz)
+        else:  # the sign is the low bit of the code's low byte
+          d = (_ZERO - np.uint64(raw[_UNIT_HEAD_SIZE + i] & 1)) | _ONE
+        old = olds[j]
+        new = ((old - d) if undo else (old + d)) & mask
+        out[pos[j]] = new
+        if want_hash:
+          if small:
+            acc += mix(np.uint64(pos[j]) | (old << _S24) | (new << _S40))
+          else:
+            acc += mix(mix(np.uint64(pos[j]) * _C + old) ^ new)
+    return -1, acc
+
+  return kernel
+
+
 if HAVE_NUMBA:
   _KERNELS = {isz: _make_kernel(isz) for isz in (1, 2, 4, 8)}
+  _UNIT_KERNELS = {isz: _make_unit_kernel(isz) for isz in (1, 2, 4, 8)}
+
+
+def _planes_to_u64(buf: np.ndarray, count: int, nplanes: int) -> np.ndarray:
+  """`count` little-endian integers stored as `nplanes` byte planes, as uint64."""
+  out = np.zeros(count, np.uint64)
+  for b in range(nplanes):
+    out |= buf[b * count:(b + 1) * count].astype(np.uint64) << np.uint64(8 * b)
+  return out
+
+
+def parse_unit(buf: np.ndarray, n: int, itemsize: int):
+  """Checks a SPARSE_UNIT body's layout and decodes its exceptions.
+
+  Returns:
+    (count, bytes per code, exception indices (int64), exception differences (uint64, to
+    add)), or None if the body is malformed: wrong length, code width outside 1..4,
+    exception indices not increasing or not below the count, or an exception that changes
+    nothing.
+  """
+  if len(buf) < _UNIT_HEAD_SIZE:
+    return None
+  nnz, nexc, cb = UNIT_HEAD.unpack_from(buf)
+  if not (0 < nnz <= n and nexc <= nnz and 1 <= cb <= 4 and
+          len(buf) == _UNIT_HEAD_SIZE + nnz * cb + nexc * (3 + itemsize)):
+    return None
+  if not nexc:
+    return nnz, cb, _NO_EXC_IDX, _NO_EXC_VAL
+  e0 = _UNIT_HEAD_SIZE + nnz * cb
+  idx = _planes_to_u64(buf[e0:e0 + 3 * nexc], nexc, 3).astype(np.int64)
+  z = _planes_to_u64(buf[e0 + 3 * nexc:], nexc, itemsize)
+  mask = ~_ZERO if itemsize == 8 else np.uint64((1 << (8 * itemsize)) - 1)
+  vals = ((z >> _ONE) ^ (_ZERO - (z & _ONE))) & mask  # un-zig-zag, as `itemsize` words
+  if idx[-1] >= nnz or np.any(np.diff(idx) <= 0) or not np.all(vals):
+    return None
+  return nnz, cb, idx, vals
+
+
+def _unit_apply_np(buf, nnz, cb, idx, vals, out, undo, want_hash):
+  c = _planes_to_u64(buf[_UNIT_HEAD_SIZE:_UNIT_HEAD_SIZE + cb * nnz], nnz, cb)
+  pos = np.cumsum((c >> _ONE).astype(np.int64) + 1) - 1
+  if pos[-1] >= out.size:
+    return -1, 0
+  d = np.where(c & _ONE, ~_ZERO, _ONE)
+  d[idx] = vals
+  old = out[pos]
+  dd = d.astype(out.dtype)  # wraps to the word width: -1 -> all ones
+  new = old - dd if undo else old + dd  # unsigned: wraps
+  out[pos] = new  # positions are distinct (gaps >= 0)
+  return 0, changes_hash(pos, old, new) if want_hash else 0
+
+
+def unit_apply(raw, out: np.ndarray, undo: bool = False, want_hash: bool = True,
+               use_numba: bool | None = None):
+  """Adds (or with `undo` subtracts) a SPARSE_UNIT body's changes into `out`, in place.
+
+  Args:
+    raw: the decompressed SPARSE_UNIT payload (bytes-like).
+    out: 1-D C-contiguous unsigned-integer chunk (the bit patterns), modified in place.
+    undo: subtract instead (the exact inverse).
+    want_hash: compute the changes hash (else 0 is returned on success).
+    use_numba: force one implementation (default: numba when installed).
+
+  Returns:
+    The changes hash (0 without `want_hash`), or None if the body is malformed (see
+    `parse_unit`, or a position outside `out`); then `out` is unchanged.
+  """
+  buf = np.frombuffer(raw, np.uint8)
+  parsed = parse_unit(buf, out.size, out.itemsize)
+  if parsed is None:
+    return None
+  nnz, cb, idx, vals = parsed
+  if use_numba is None:
+    use_numba = HAVE_NUMBA
+  if use_numba and not HAVE_NUMBA:
+    raise RuntimeError("numba is not installed")
+  if not use_numba:
+    status, h = _unit_apply_np(buf, nnz, cb, idx, vals, out, undo, want_hash)
+    return None if status < 0 else int(h)
+  kernel = _UNIT_KERNELS[out.itemsize]
+  applied, h = kernel(buf, nnz, cb, idx, vals, nnz, out, undo, want_hash)
+  if applied >= 0:  # a position outside the chunk: take back the changes applied before it
+    kernel(buf, nnz, cb, idx, vals, applied, out, not undo, False)
+    return None
+  return int(h)
 
 
 def sparse_apply(raw, out: np.ndarray, undo: bool = False, use_numba: bool | None = None):
@@ -211,3 +401,4 @@ def warm_up() -> None:
     for dt in (np.uint16, np.uint32):
       sparse_apply(body[:_HEAD.size + 3 + np.dtype(dt).itemsize], np.zeros(1, dt))
       sparse_apply(body[:_HEAD.size + 3 + np.dtype(dt).itemsize], np.zeros(1, dt), undo=True)
+      unit_apply(UNIT_HEAD.pack(1, 0, 1) + bytes(1), np.zeros(1, dt))

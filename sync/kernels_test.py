@@ -1,4 +1,4 @@
-"""Tests for the fused sparse-apply kernel: numba and numpy paths are bit-identical.
+"""Tests for the fused sparse-apply kernels: numba and numpy paths are bit-identical.
 
 Exact comparisons only (integer bit patterns and 64-bit hashes): no float tolerance applies.
 """
@@ -62,6 +62,81 @@ def test_malformed_bodies_leave_the_chunk_unchanged(use_numba, frac):
   out = base.copy()
   assert kernels.sparse_apply(raw[:-1], out, use_numba=use_numba) is None
   assert kernels.sparse_apply(raw[:2], out, use_numba=use_numba) is None
+  np.testing.assert_array_equal(out, base)
+
+
+def _unit_body(dtype, n=70_000, frac=0.04, seed=0, exceptions=True):
+  """A SPARSE_UNIT body: +-1 steps (wrapping at the edges), a few other steps if asked."""
+  rng = np.random.default_rng(seed)
+  info = np.iinfo(dtype)
+  base = rng.integers(0, info.max, n, dtype=dtype, endpoint=True)
+  new = base.copy()
+  idx = np.flatnonzero(rng.random(n) < frac)
+  idx = np.union1d(idx, [0, n - 1])
+  new[idx] += np.where(rng.random(idx.size) < 0.5, dtype(1), info.max).astype(dtype)
+  if exceptions:
+    new[idx[5::40]] += dtype(7)  # steps of 8 or 6: exceptions (1/40 of the changes)
+    new[idx[3]] = base[idx[3]] ^ info.max  # a large jump
+  kind, payload, _, ch = codec.encode_chunk(base, new, zstandard.ZstdCompressor(level=1))
+  assert kind == codec.SPARSE_UNIT
+  return base, new, zstandard.ZstdDecompressor().decompress(payload), ch
+
+
+@pytest.mark.parametrize("exceptions", [True, False])
+@pytest.mark.parametrize("frac", [0.005, 0.1])  # the blocked and one-pass loops
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32, np.uint64])
+def test_unit_numba_and_numpy_paths_are_bit_identical(dtype, frac, exceptions):
+  base, new, raw, ch = _unit_body(dtype, frac=frac, exceptions=exceptions)
+  pos = np.flatnonzero(base != new)
+  assert ch == kernels.changes_hash(pos, base[pos], new[pos]) != 0
+  nexc = kernels.UNIT_HEAD.unpack_from(raw)[1]
+  assert (nexc > 0) == exceptions
+  for use_numba in (True, False):
+    out = base.copy()
+    assert kernels.unit_apply(raw, out, use_numba=use_numba) == ch
+    np.testing.assert_array_equal(out, new)
+    assert kernels.unit_apply(raw, out, undo=True, want_hash=False, use_numba=use_numba) == 0
+    np.testing.assert_array_equal(out, base)
+    assert kernels.unit_apply(raw, out, want_hash=False, use_numba=use_numba) == 0
+    np.testing.assert_array_equal(out, new)
+  wrong = base.copy()
+  wrong[pos[len(pos) // 2]] ^= 1
+  hashes = {kernels.unit_apply(raw, wrong.copy(), use_numba=u) for u in (True, False)}
+  assert len(hashes) == 1 and ch not in hashes
+
+
+def _with_exceptions(raw, idx, vals_z, itemsize):
+  """`raw` (a body without exceptions) with the given exception indices and zig-zag values."""
+  nnz, _, cb = kernels.UNIT_HEAD.unpack_from(raw)
+  idx = np.asarray(idx, "<u4")
+  planes = np.ascontiguousarray(idx.view(np.uint8).reshape(-1, 4)[:, :3].T).tobytes()
+  vals = np.asarray(vals_z, f"<u{itemsize}")
+  vplanes = np.ascontiguousarray(vals.view(np.uint8).reshape(-1, itemsize).T).tobytes()
+  return (kernels.UNIT_HEAD.pack(nnz, len(idx), cb) + raw[kernels.UNIT_HEAD.size:] + planes +
+          vplanes)
+
+
+@pytest.mark.parametrize("frac", [0.005, 0.1])
+@pytest.mark.parametrize("use_numba", [True, False])
+def test_malformed_unit_bodies_leave_the_chunk_unchanged(use_numba, frac):
+  base, _, raw, _ = _unit_body(np.uint16, frac=frac, exceptions=False)
+  short = base[:-5].copy()  # the last position lies outside: rejected after partial writes
+  assert kernels.unit_apply(raw, short, use_numba=use_numba) is None
+  np.testing.assert_array_equal(short, base[:-5])
+  nnz, _, cb = kernels.UNIT_HEAD.unpack_from(raw)
+  bad = [raw[:-1], raw[:5], raw + b"\0",
+         kernels.UNIT_HEAD.pack(nnz, 0, 0) + raw[9:],  # code width 0
+         kernels.UNIT_HEAD.pack(nnz, 0, 5) + raw[9:],  # code width 5
+         kernels.UNIT_HEAD.pack(nnz + 1, 0, cb) + raw[9:],  # count does not fit the length
+         _with_exceptions(raw, [3, 3], [4, 4], 2),  # exception indices not increasing
+         _with_exceptions(raw, [5, 2], [4, 4], 2),
+         _with_exceptions(raw, [nnz], [4], 2),  # exception beyond the changes
+         _with_exceptions(raw, [4], [0], 2)]  # an exception that changes nothing
+  assert kernels.unit_apply(_with_exceptions(raw, [2, 9], [4, 6], 2), base.copy(),
+                            use_numba=use_numba) is not None  # well-formed exceptions apply
+  out = base.copy()
+  for body in bad:
+    assert kernels.unit_apply(body, out, use_numba=use_numba) is None
   np.testing.assert_array_equal(out, base)
 
 

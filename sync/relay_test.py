@@ -97,7 +97,7 @@ def test_relay_dying_mid_update_never_mixes_weights(tmp_path, servers):
   pub.publish(hist[0])
   pub.publish(hist[1])
   origin = servers(relay.Relay(st, index_ttl_s=0))
-  dying = servers(CuttingRelay([origin.url], cut_at=2000, cuts=100, index_ttl_s=0))
+  dying = servers(CuttingRelay([origin.url], cut_at=1000, cuts=100, index_ttl_s=0))
   applied = []
   with transport.HttpSource([dying.url], attempts=2) as src:
     sub = subscriber.Subscriber(src, lambda f, v: applied.append((v, f)))
