@@ -2,15 +2,18 @@
 
 Why a zygote: a fresh Python interpreter costs 8-50 ms to start; forking one that has already
 started costs well under a millisecond. The host starts this program inside bubblewrap ahead of
-demand (see `envs.slot`), so handing an episode a sandbox is a pipe round trip, and running
-`python3 main.py` in it is a fork plus `runpy` ("fast path") instead of an exec. Other commands
-(`sh -c ...`, `git`, a python with unusual flags) are forked and exec'd as usual.
+demand (see `envs.slot`), so handing an episode a sandbox is a pipe round trip. The zygote also
+keeps one command process forked ahead of demand (`sandbox_child`, the "spare"), which waits on a
+pipe for its request, so running a command costs a pipe write rather than a fork: `python3
+main.py` then runs in the spare itself ("fast path", no interpreter start) and other commands
+(`sh -c ...`, `git`, a python with unusual flags) exec from it.
 
 In namespace mode the zygote is PID 1 of the sandbox's PID namespace (bwrap --as-pid-1). That
 buys three things: code inside cannot kill it (the kernel ignores signals to a namespace's init
 from inside), it reaps every orphan, and `kill(-1, SIGKILL)` from it kills every other process in
 the sandbox, so after each command nothing is left running (daemons included). It also makes
-itself non-dumpable so sandboxed code, which runs under the same uid, cannot ptrace it.
+itself non-dumpable so sandboxed code, which runs under the same uid, cannot ptrace it. The next
+spare is forked only after that kill, so sandboxed code never runs beside a waiting spare.
 
 Protocol: length-prefixed JSON messages on the fds that were stdin/stdout at start (4-byte
 big-endian length, then UTF-8 JSON). Requests carry an "op": exec, write_files, read_files,
@@ -18,29 +21,26 @@ list_files, ping. File operations run here, inside the sandbox, so symlinks plan
 code resolve inside the sandbox's view and can never reach host paths.
 """
 
-import atexit
 import ctypes
+import gc
 import json
+import marshal
 import os
-import resource
-import pkgutil  # pylint: disable=unused-import; runpy.run_path imports it lazily (ms).
-import runpy  # Imported up front so the fast path does not pay for it (about 10 ms).
+import pkgutil  # pylint: disable=unused-import; runpy.run_module imports it lazily (ms).
+import runpy  # pylint: disable=unused-import; imported up front so commands do not pay (~10 ms).
 import select
 import signal
 import stat
 import struct
 import sys
 import time
-import traceback
 
-import sandbox_audit  # Beside this file in the sandbox (/opt/envs); stdlib only.
+import sandbox_child  # Beside this file in the sandbox (/opt/envs); stdlib only.
 
-AUDIT_FD = 1000
 WORKSPACE = "/workspace"
 _PR_SET_DUMPABLE = 4
 _PR_SET_CHILD_SUBREAPER = 36
-_PYTHONS = ("python", "python3", "/usr/bin/python3", "/usr/bin/python", "/bin/python3",
-            "python3.11", "/usr/bin/python3.11")
+_MAX_STDIN_BYTES = 60000  # Fits a pipe buffer, so writing it never blocks.
 _MAX_FILE_BYTES = 1 << 20
 _MAX_TOTAL_BYTES = 16 << 20
 
@@ -86,15 +86,25 @@ def _safe_rel(path):
   return norm
 
 
-def _close_fds_except(keep):
-  # os.closerange here is 65k close() calls (about 8 ms); listing the open fds is microseconds.
-  for name in os.listdir("/proc/self/fd"):
-    fd = int(name)
-    if fd not in keep:
-      try:
-        os.close(fd)
-      except OSError:
-        pass
+class _Spare:
+  """A forked command process waiting for its request, and the zygote's ends of its pipes."""
+
+  def __init__(self, pid, req_w, in_w, out_r, err_r, aud_r):
+    self.pid = pid
+    self.req_w = req_w
+    self.in_w = in_w
+    self.out_r = out_r
+    self.err_r = err_r
+    self.aud_r = aud_r
+
+  def close(self):
+    for fd in (self.req_w, self.in_w, self.out_r, self.err_r, self.aud_r):
+      if fd >= 0:
+        try:
+          os.close(fd)
+        except OSError:
+          pass
+    self.req_w = self.in_w = self.out_r = self.err_r = self.aud_r = -1
 
 
 class Zygote:
@@ -118,8 +128,10 @@ class Zygote:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     self.base_path = [p for p in sys.path if p and not p.startswith("/opt/envs")]
     self._pgids = set()
+    self._spare = None
 
   def serve(self):
+    self._fork_spare()
     _send(self.ctl_w, {"ok": True, "pid": os.getpid(), "ns_mode": self.ns_mode})
     while True:
       req = _recv(self.ctl_r)
@@ -132,6 +144,59 @@ class Zygote:
       except Exception as e:  # pylint: disable=broad-except
         resp = {"ok": False, "error": f"{type(e).__name__}: {e}"}
       _send(self.ctl_w, resp)
+      if self._spare is None:
+        # After answering, so the fork overlaps the host's work on the response.
+        self._fork_spare()
+
+  # -- spare -----------------------------------------------------------------------------------
+
+  def _fork_spare(self):
+    """Forks the next command process; it prepares itself and waits for its request."""
+    pipes = [os.pipe() for _ in range(5)]  # stdin, stdout, stderr, audit, request
+    # Everything allocated so far stays out of the child's garbage collections: a collection
+    # that walked it would write to (and so copy) most of the zygote's pages.
+    gc.freeze()
+    try:
+      pid = os.fork()
+    except OSError:
+      for r, w in pipes:
+        os.close(r)
+        os.close(w)
+      return  # Retried on demand by _take_spare, which then reports the error.
+    if pid == 0:
+      (in_r, _), (_, out_w), (_, err_w), (_, aud_w), (req_r, _) = pipes
+      sandbox_child.main((in_r, out_w, err_w, aud_w, req_r), base_path=self.base_path,
+                         workspace=WORKSPACE)  # Never returns.
+    (in_r, in_w), (out_r, out_w), (err_r, err_w), (aud_r, aud_w), (req_r, req_w) = pipes
+    for fd in (in_r, out_w, err_w, aud_w, req_r):
+      os.close(fd)
+    self._spare = _Spare(pid, req_w, in_w, out_r, err_r, aud_r)
+
+  def _take_spare(self, body, stdin_data):
+    """Hands the request to the spare (forking one if needed); returns it, now running."""
+    for attempt in range(2):
+      if self._spare is None:
+        self._fork_spare()
+        if self._spare is None:
+          raise OSError("cannot fork a command process")
+      spare, self._spare = self._spare, None
+      try:
+        os.write(spare.in_w, stdin_data)
+        os.close(spare.in_w)
+        spare.in_w = -1
+        data = body
+        while data:
+          data = data[os.write(spare.req_w, data):]
+        os.close(spare.req_w)
+        spare.req_w = -1
+        return spare
+      except BrokenPipeError:
+        # The spare died while waiting (say, the OOM killer): reap it and fork another.
+        spare.close()
+        self._kill_all()
+        if attempt:
+          raise
+    raise AssertionError("unreachable")
 
   # -- processes -------------------------------------------------------------------------------
 
@@ -210,23 +275,19 @@ class Zygote:
       raise ValueError("argv must be a non-empty list of strings")
     cap = int(req.get("max_output_bytes", 1 << 20))
     timeout_s = float(req.get("timeout_s", 10))
-    self._pgids = set()
     stdin_data = req.get("stdin", "").encode()
-    in_r, in_w = os.pipe()
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    aud_r, aud_w = os.pipe()
-    if len(stdin_data) > 60000:
-      raise ValueError("stdin over 60000 bytes; write a file instead")
-    os.write(in_w, stdin_data)
-    os.close(in_w)
+    if len(stdin_data) > _MAX_STDIN_BYTES:
+      raise ValueError(f"stdin over {_MAX_STDIN_BYTES} bytes; write a file instead")
+    body = marshal.dumps({
+        "argv": argv, "cpu_s": int(req.get("cpu_s", 10)),
+        "memory_mb": int(req.get("memory_mb", 512)), "nproc": int(req.get("nproc", 64)),
+        "fsize_mb": int(req.get("fsize_mb", 64)), "env": req.get("env") or {},
+        "cwd": req.get("cwd"), "fast_path": bool(req.get("fast_path", True))})
+    self._pgids = set()
     start = time.monotonic()
-    pid = os.fork()
-    if pid == 0:
-      self._child(argv, req, in_r, out_w, err_w, aud_w)  # never returns
+    spare = self._take_spare(body, stdin_data)
+    pid, out_r, err_r, aud_r = spare.pid, spare.out_r, spare.err_r, spare.aud_r
     self._pgids.add(pid)
-    for fd in (in_r, out_w, err_w, aud_w):
-      os.close(fd)
     bufs = {out_r: bytearray(), err_r: bytearray(), aud_r: bytearray()}
     dropped = {out_r: 0, err_r: 0, aud_r: 0}
     open_fds = {out_r, err_r, aud_r}
@@ -266,8 +327,7 @@ class Zygote:
     if status is None:
       # Killed by us; it was reaped inside _kill_all.
       status = signal.SIGKILL
-    for fd in (out_r, err_r, aud_r):
-      os.close(fd)
+    spare.close()
     violations = []
     exit_code = os.waitstatus_to_exitcode(status) if not timed_out else -signal.SIGKILL
     if timed_out:
@@ -305,104 +365,6 @@ class Zygote:
         "events": events,
         "wall_s": wall,
     }
-
-  def _child(self, argv, req, in_r, out_w, err_w, aud_w):
-    try:
-      os.setsid()
-      signal.set_wakeup_fd(-1)
-      signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-      os.dup2(in_r, 0)
-      os.dup2(out_w, 1)
-      os.dup2(err_w, 2)
-      os.dup2(aud_w, AUDIT_FD)
-      _close_fds_except((0, 1, 2, AUDIT_FD))
-      _libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
-      try:
-        with open("/proc/self/oom_score_adj", "w") as f:
-          f.write("1000")
-      except OSError:
-        pass
-      mb = 1 << 20
-      limits = [
-          (resource.RLIMIT_CPU, int(req.get("cpu_s", 10))),
-          (resource.RLIMIT_AS, int(req.get("memory_mb", 512)) * mb),
-          # The pids cgroup (nproc + 1, counted, see slot.py) binds first where there is one.
-          (resource.RLIMIT_NPROC, int(req.get("nproc", 64)) + 8),
-          (resource.RLIMIT_FSIZE, int(req.get("fsize_mb", 64)) * mb),
-          (resource.RLIMIT_CORE, 0),
-          (resource.RLIMIT_NOFILE, 256),
-      ]
-      for which, value in limits:
-        # Soft below hard: at the soft CPU limit the kernel sends SIGXCPU (reported as such),
-        # SIGKILL only at the hard one.
-        hard = value + 1 if which == resource.RLIMIT_CPU else value
-        resource.setrlimit(which, (value, hard))
-      env = dict(req.get("env") or {})
-      env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
-      env.setdefault("HOME", "/tmp")
-      env.setdefault("LANG", "C.UTF-8")
-      env["ENVS_AUDIT_FD"] = str(AUDIT_FD)
-      env["PYTHONPATH"] = "/opt/envs_site"
-      env["PYTHONDONTWRITEBYTECODE"] = "1"
-      env["ENVS_WORKSPACE"] = WORKSPACE
-      os.chdir(req.get("cwd") or WORKSPACE)
-      if argv[0] in _PYTHONS and req.get("fast_path", True):
-        self._run_python_here(argv[1:], env)
-      os.execvpe(argv[0], argv, env)
-    except SystemExit:
-      raise
-    except BaseException:  # pylint: disable=broad-except
-      try:
-        os.write(2, traceback.format_exc().encode())
-      finally:
-        os._exit(127)
-
-  def _run_python_here(self, args, env):
-    """Runs `python3 <args>` in this forked process; returns only if args need a real exec."""
-    i = 0
-    while i < len(args) and args[i] in ("-u", "-B", "-s", "-E", "-I"):
-      i += 1
-    if i >= len(args) or (args[i].startswith("-") and args[i] not in ("-c", "-m")):
-      return
-    os.environ.clear()
-    os.environ.update(env)
-    sandbox_audit.install(AUDIT_FD)
-    code = 0
-    try:
-      if args[i] == "-c":
-        if i + 1 >= len(args):
-          return
-        sys.argv = ["-c"] + args[i + 2:]
-        sys.path = [""] + self.base_path
-        exec(compile(args[i + 1], "<string>", "exec"), {"__name__": "__main__"})  # pylint: disable=exec-used
-      elif args[i] == "-m":
-        if i + 1 >= len(args):
-          return
-        sys.argv = [args[i + 1]] + args[i + 2:]
-        sys.path = [os.getcwd()] + self.base_path
-        runpy.run_module(args[i + 1], run_name="__main__", alter_sys=True)
-      else:
-        sys.argv = args[i:]
-        sys.path = [os.path.dirname(os.path.abspath(args[i]))] + self.base_path
-        runpy.run_path(args[i], run_name="__main__")
-    except SystemExit as e:
-      if e.code is None:
-        code = 0
-      elif isinstance(e.code, int):
-        code = e.code & 0xFF
-      else:
-        print(e.code, file=sys.stderr)
-        code = 1
-    except BaseException:  # pylint: disable=broad-except
-      traceback.print_exc()
-      code = 1
-    try:
-      atexit._run_exitfuncs()  # pylint: disable=protected-access
-      sys.stdout.flush()
-      sys.stderr.flush()
-    except BaseException:  # pylint: disable=broad-except
-      pass
-    os._exit(code)
 
   # -- files -----------------------------------------------------------------------------------
 

@@ -28,10 +28,13 @@ def _report(fd, kind, detail, state):
     pass
 
 
-def install(fd):
-  """Installs the hook; events go to `fd` as JSON lines. Cannot be removed once installed."""
+def install(fd, workspace=None):
+  """Installs the hook; events go to `fd` as JSON lines. Cannot be removed once installed.
+
+  workspace: the writable workspace (default: $ENVS_WORKSPACE, else /workspace).
+  """
   state = {"n": 0, "busy": False}
-  writable = _WRITABLE + (os.environ.get("ENVS_WORKSPACE", "/workspace"),)
+  writable = _WRITABLE + (workspace or os.environ.get("ENVS_WORKSPACE", "/workspace"),)
   write_modes = ("w", "a", "x", "+")
 
   def hook(event, args):

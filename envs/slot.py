@@ -33,7 +33,9 @@ from envs import hostcheck
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _IDS = itertools.count()
-_IN_SANDBOX = ("sandbox_agent.py", "sandbox_audit.py", "testrunner.py")
+_IN_SANDBOX = ("sandbox_agent.py", "sandbox_child.py", "sandbox_audit.py", "testrunner.py")
+_DEFAULT_MEMORY_MB = 512
+_DEFAULT_NPROC = 64
 # Extra memory for the zygote itself and tmpfs metadata on top of what the command may use.
 _ZYGOTE_MB = 48
 
@@ -132,6 +134,10 @@ class Slot:
     self.used = False
     self.closed = False
     self._lock = threading.Lock()
+    self._limits: dict[str, str] = {}  # cgroup file -> the value last written there
+    # Cgroup limit-hit counters as of the end of the last command: the next command's baseline.
+    # None when a request since may have moved them (then they are read again).
+    self._counts: dict[str, int] | None = None
     self.started_at = time.monotonic()
     self.proc = subprocess.Popen(
         self._argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
@@ -189,6 +195,9 @@ class Slot:
   def wait_ready(self, timeout_s: float = 10.0) -> None:
     resp = self._recv(timeout_s)
     self.zygote_pid = resp["pid"]
+    # Set the default limits now, off the critical path: an exec with defaults writes nothing.
+    self._set_limits(_DEFAULT_MEMORY_MB, _DEFAULT_NPROC)
+    self._counts = self._read_counts()
     self.ready_s = time.monotonic() - self.started_at
 
   # -- protocol --------------------------------------------------------------------------------
@@ -232,6 +241,7 @@ class Slot:
       raise SlotError(f"sandbox {self.id} is closed")
     with self._lock:
       self.used = True
+      self._counts = None
       self._send(req)
       try:
         return self._recv(timeout_s)
@@ -280,12 +290,14 @@ class Slot:
 
   # -- exec ------------------------------------------------------------------------------------
 
-  def exec(self, argv: list[str], *, timeout_s: float = 10.0, memory_mb: int = 512,
-           cpu_s: float | None = None, nproc: int = 64, fsize_mb: int = 64,
+  def exec(self, argv: list[str], *, timeout_s: float = 10.0,
+           memory_mb: int = _DEFAULT_MEMORY_MB, cpu_s: float | None = None,
+           nproc: int = _DEFAULT_NPROC, fsize_mb: int = 64,
            max_output_bytes: int = 1 << 20, env: dict[str, str] | None = None,
            cwd: str | None = None, stdin: str = "", fast_path: bool = True) -> Result:
     """Runs argv in the sandbox; the whole process tree is killed when it ends."""
-    failcnt = self._set_limits(memory_mb, nproc)
+    self._set_limits(memory_mb, nproc)
+    before = self._counts if self._counts is not None else self._read_counts()
     req = {"op": "exec", "argv": list(argv), "timeout_s": timeout_s, "memory_mb": memory_mb,
            "cpu_s": int(cpu_s if cpu_s is not None else max(1, timeout_s) + 1), "nproc": nproc,
            "fsize_mb": fsize_mb, "max_output_bytes": max_output_bytes, "env": env or {},
@@ -295,8 +307,10 @@ class Slot:
     except SlotError as e:
       return Result(exit_code=-1, stdout="", stderr="", timed_out=False, violations=[],
                     isolation=self.isolation, infra_error=str(e))
+    after = self._read_counts()
+    self._counts = after
     violations = list(resp["violations"])
-    violations += self._cgroup_violations(failcnt, violations)
+    violations += _cgroup_violations(before, after, violations)
     for ev in resp["events"]:
       violations.append(f"{ev['kind']}: {ev['detail']}")
     if self.degraded:
@@ -305,30 +319,22 @@ class Slot:
                   timed_out=resp["timed_out"], violations=violations, wall_s=resp["wall_s"],
                   isolation=self.isolation, events=resp["events"])
 
-  def _set_limits(self, memory_mb: int, nproc: int) -> dict[str, int]:
-    counts = {}
-    mem = self.cgroups.get("memory")
-    if mem:
-      _cgroup_write(os.path.join(mem, "memory.limit_in_bytes"),
-                    str((memory_mb + _ZYGOTE_MB) << 20))
-      counts["memory"] = _read_int(os.path.join(mem, "memory.failcnt"))
-    pids = self.cgroups.get("pids")
-    if pids:
-      _cgroup_write(os.path.join(pids, "pids.max"), str(nproc + 1))
-      counts["pids"] = _read_pids_events(pids)
-    return counts
+  def _set_limits(self, memory_mb: int, nproc: int) -> None:
+    """Sets the sandbox's cgroup limits for the next command; writes only what changed."""
+    for ctl, name, value in (("memory", "memory.limit_in_bytes", (memory_mb + _ZYGOTE_MB) << 20),
+                             ("pids", "pids.max", nproc + 1)):
+      if ctl in self.cgroups and self._limits.get(name) != str(value):
+        _cgroup_write(os.path.join(self.cgroups[ctl], name), str(value))
+        self._limits[name] = str(value)
 
-  def _cgroup_violations(self, before: dict[str, int], already: list[str]) -> list[str]:
-    out = []
-    mem = self.cgroups.get("memory")
-    if mem and _read_int(os.path.join(mem, "memory.failcnt")) > before.get("memory", 0):
-      if not any(v.startswith("memory_limit") for v in already):
-        out.append("memory_limit: sandbox memory cgroup limit reached")
-    pids = self.cgroups.get("pids")
-    if pids and _read_pids_events(pids) > before.get("pids", 0):
-      if not any(v.startswith("process_limit") for v in already):
-        out.append("process_limit: sandbox pids cgroup limit reached")
-    return out
+  def _read_counts(self) -> dict[str, int]:
+    """How often each cgroup limit has been hit so far."""
+    counts = {}
+    if "memory" in self.cgroups:
+      counts["memory"] = _read_int(os.path.join(self.cgroups["memory"], "memory.failcnt"))
+    if "pids" in self.cgroups:
+      counts["pids"] = _read_pids_events(self.cgroups["pids"])
+    return counts
 
   # -- teardown --------------------------------------------------------------------------------
 
@@ -363,6 +369,18 @@ class Slot:
           _kill_cgroup(path)
           time.sleep(0.005)
     shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _cgroup_violations(before: dict[str, int], after: dict[str, int],
+                       already: list[str]) -> list[str]:
+  out = []
+  if after.get("memory", 0) > before.get("memory", 0):
+    if not any(v.startswith("memory_limit") for v in already):
+      out.append("memory_limit: sandbox memory cgroup limit reached")
+  if after.get("pids", 0) > before.get("pids", 0):
+    if not any(v.startswith("process_limit") for v in already):
+      out.append("process_limit: sandbox pids cgroup limit reached")
+  return out
 
 
 def _pid_alive(pid: int) -> bool:

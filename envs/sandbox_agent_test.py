@@ -1,0 +1,129 @@
+"""Tests for the zygote and its pre-forked command process (envs.sandbox_agent, sandbox_child).
+
+What is checked: the in-process fast path behaves like the real interpreter; a command never
+sees state from an earlier one (interpreter state, processes) and never runs beside a waiting
+spare; a spare that died while waiting is replaced; stdin, cwd, env and limits reach the command.
+"""
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from envs import pool as pool_lib
+from envs import sandbox
+
+_PROBE = """
+import os, sys, __main__
+print(__name__, __file__, sys.argv, sys.path[0])
+print(__main__.__dict__ is globals(), type(__loader__).__name__, __spec__, __package__)
+print(__doc__, __builtins__ is __import__("builtins"))
+"""
+
+
+@pytest.fixture(scope="module")
+def pool():
+  with pool_lib.WarmPool(size=1, max_live=2) as p:
+    yield p
+
+
+def _both_paths(pool, files, command, **kw):
+  fast = sandbox.run(files, command, pool=pool, **kw)
+  real = sandbox.run(files, command, pool=pool, fast_path=False, **kw)
+  return fast, real
+
+
+def test_fast_path_matches_the_interpreter(pool):
+  fast, real = _both_paths(pool, {"d/m.py": '"""Doc."""\n' + _PROBE}, ["python3", "d/m.py", "x"])
+  assert fast.exit_code == real.exit_code == 0, (fast, real)
+  assert fast.stdout == real.stdout
+  assert "__main__ /workspace/d/m.py ['d/m.py', 'x'] /workspace/d" in fast.stdout
+
+
+def test_fast_path_dash_c_and_dash_m(pool):
+  probe = "import sys; print(__name__, sys.argv, repr(sys.path[0]))"
+  fast, real = _both_paths(pool, {}, ["python3", "-c", probe, "a"])
+  assert fast.stdout == real.stdout == "__main__ ['-c', 'a'] ''\n"
+  fast, real = _both_paths(pool, {"pkg/__init__.py": "", "pkg/mod.py": "print(__name__)"},
+                           ["python3", "-m", "pkg.mod"])
+  assert fast.stdout == real.stdout == "__main__\n"
+
+
+def test_fast_path_errors_read_like_the_interpreter(pool):
+  for files, argv in (({"m.py": "def f():\n  raise ValueError('boom')\nf()\n"}, ["python3", "m.py"]),
+                      ({"m.py": "x = (\n"}, ["python3", "m.py"]),
+                      ({"m.py": "import sys\nsys.exit('bye')\n"}, ["python3", "m.py"]),
+                      ({}, ["python3", "missing.py"])):
+    fast, real = _both_paths(pool, files, argv)
+    assert (fast.exit_code, fast.stdout, fast.stderr) == (real.exit_code, real.stdout,
+                                                         real.stderr), (fast, real)
+    assert "sandbox_child" not in fast.stderr and "sandbox_agent" not in fast.stderr
+
+
+def test_commands_share_files_but_no_interpreter_state(pool):
+  with sandbox.Sandbox({}, pool=pool) as sb:
+    r = sb.exec(["python3", "-c", "import json, os, sys\njson.leak = 1\nos.environ['LEAK'] = '1'\n"
+                 "sys.path.append('/leak')\nopen('f.txt', 'w').write('kept')"])
+    assert r.exit_code == 0, r
+    r = sb.exec(["python3", "-c", "import json, os, sys\n"
+                 "print(hasattr(json, 'leak'), 'LEAK' in os.environ, '/leak' in sys.path, "
+                 "open('f.txt').read())"])
+    assert r.stdout == "False False False kept\n", r
+
+
+def test_commands_never_run_beside_a_waiting_spare(pool):
+  code = ("import os\npids = sorted(int(p) for p in os.listdir('/proc') if p.isdigit())\n"
+          "print(pids == sorted({1, os.getpid()}), os.getpid() != 1)")
+  with sandbox.Sandbox({}, pool=pool) as sb:
+    for fast in (True, False, True):
+      r = sb.exec(["python3", "-c", code], fast_path=fast)
+      assert r.stdout == "True True\n", r  # Only the command and PID 1 (the zygote).
+
+
+def _host_children(pid):
+  out = []
+  for tid in os.listdir(f"/proc/{pid}/task"):
+    with open(f"/proc/{pid}/task/{tid}/children") as f:
+      out += [int(c) for c in f.read().split()]
+  return out
+
+
+def test_dead_spare_is_replaced(pool):
+  with sandbox.Sandbox({}, pool=pool) as sb:
+    assert sb.exec(["true"]).exit_code == 0
+    time.sleep(0.05)  # The zygote forks the next spare right after answering.
+    bwrap = sb.slot.proc.pid
+    zygotes = _host_children(bwrap) if not sb.slot.degraded else [bwrap]
+    spares = [c for z in zygotes for c in _host_children(z)]
+    assert len(spares) == 1, spares
+    os.kill(spares[0], signal.SIGKILL)
+    time.sleep(0.05)
+    r = sb.exec(["python3", "-c", "print('replaced')"])
+    assert (r.exit_code, r.stdout, r.violations) == (0, "replaced\n", []), r
+
+
+def test_stdin_cwd_env_and_limits_reach_the_command(pool):
+  with sandbox.Sandbox({"sub/x.txt": "x"}, pool=pool) as sb:
+    code = ("import os, resource, sys\nprint(sys.stdin.read(), os.getcwd(), os.environ['K'], "
+            "resource.getrlimit(resource.RLIMIT_NPROC)[0], "
+            "resource.getrlimit(resource.RLIMIT_AS)[0] >> 20)")
+    for fast in (True, False):
+      r = sb.exec(["python3", "-c", code], stdin="in", cwd="/workspace/sub", env={"K": "v"},
+                  nproc=9, memory_mb=300, fast_path=fast)
+      assert r.stdout == "in /workspace/sub v 17 300\n", r
+    r = sb.exec(["sh", "-c", "cat; pwd; echo $K"], stdin="in\n", cwd="/workspace/sub",
+                env={"K": "v"})
+    assert r.stdout == "in\n/workspace/sub\nv\n", r
+
+
+def test_many_commands_in_one_sandbox_stay_fast_and_clean(pool):
+  with sandbox.Sandbox({"m.py": "import sys\nprint(sys.argv[1])"}, pool=pool) as sb:
+    for i in range(30):
+      r = sb.exec(["python3", "m.py", str(i)] if i % 2 else ["sh", "-c", f"echo {i}"])
+      assert (r.exit_code, r.stdout, r.violations) == (0, f"{i}\n", []), r
+
+
+if __name__ == "__main__":
+  sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
