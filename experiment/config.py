@@ -44,12 +44,17 @@ class RLConfig:
 
   Attributes:
     steps: learner steps (0 skips RL).
-    learning_rate: constant AdamW learning rate.
+    learning_rate: AdamW learning rate (constant after the warmup).
+    warmup_steps: linear warmup of the learning rate from 0 over this many optimizer steps.
+    minibatches: optimizer steps per learner step, each on an equal share of the step's rows
+      (PPO-style minibatch updates: more updates from the same samples at no extra compute).
     pipeline: rollout / staleness / batching settings.
     num_samplers: in-process sampling engines.
     sampler_slots: decode slots per engine.
     replay: router replay ("on", "off", "proximal").
-    clip_eps: PPO clip range.
+    clip_eps: PPO clip range (the lower one, 1 - clip_eps).
+    clip_eps_high: upper clip range, 1 + clip_eps_high (None: clip_eps). Larger than clip_eps
+      is DAPO's clip-higher: low-probability tokens of good attempts can grow faster.
     kl_coef: k3 KL penalty to the starting policy (0 disables it).
     aux_loss: add the router's load-balancing and z losses to the RL loss. Off by default: with
       router replay the learner uses the sampler's experts, and the balancing gradient would only
@@ -57,17 +62,25 @@ class RLConfig:
   """
   steps: int = 60
   learning_rate: float = 1e-4
+  warmup_steps: int = 0
+  minibatches: int = 1
   pipeline: PipelineConfig = PipelineConfig()
   num_samplers: int = 1
   sampler_slots: int = 64
   replay: str = "on"
   clip_eps: float = 0.2
+  clip_eps_high: Optional[float] = None
   kl_coef: float = 0.0
   aux_loss: bool = False
 
   def __post_init__(self):
     if self.steps < 0 or self.learning_rate <= 0 or self.num_samplers < 1:
       raise ValueError("RLConfig: need steps >= 0, learning_rate > 0, num_samplers >= 1")
+    if self.warmup_steps < 0 or self.minibatches < 1:
+      raise ValueError("RLConfig: need warmup_steps >= 0 and minibatches >= 1")
+    if self.pipeline.batch_rows % self.minibatches:
+      raise ValueError(f"RLConfig: pipeline.batch_rows ({self.pipeline.batch_rows}) must be a "
+                       f"multiple of minibatches ({self.minibatches})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +118,10 @@ class ExperimentConfig:
   inference_fraction: float = 1 / 3
   train_tasks: Optional[int] = None    # use only the first N train tasks (None: all)
   heldout_tasks: Optional[int] = None  # evaluate only the first N held-out tasks (None: all)
+  # 0: evaluate on the held-out split. > 0: for choosing settings without the held-out split,
+  # this share of the train tasks becomes a validation split (experiment/splits.py) that is kept
+  # out of pre-training and RL and evaluated instead; the held-out split is then never evaluated.
+  validation_fraction: float = 0.0
 
   def __post_init__(self):
     if len(self.mesh_shape) != 4 or any(int(s) < 1 for s in self.mesh_shape):
@@ -112,6 +129,8 @@ class ExperimentConfig:
                        f"got {self.mesh_shape}")
     if not 0.0 < self.inference_fraction < 1.0:
       raise ValueError(f"inference_fraction must lie in (0, 1), got {self.inference_fraction}")
+    if not 0.0 <= self.validation_fraction < 1.0:
+      raise ValueError(f"validation_fraction must lie in [0, 1), got {self.validation_fraction}")
     longest = self.rl.pipeline.seq_len
     if longest > self.model.max_seq_len:
       raise ValueError(f"rl.pipeline.seq_len ({longest}) exceeds the model's max_seq_len "

@@ -22,6 +22,7 @@ from envs import pool as pool_lib
 from envs import suite_pyfunc
 from evaluation import evaluate as evaluate_lib
 from experiment import reporting
+from experiment import splits
 from experiment.config import ExperimentConfig
 from moe import build
 from moe import checkpoint as moe_checkpoint
@@ -99,6 +100,40 @@ def pretrain(cfg: ExperimentConfig, run_dir: str, all_tasks, mesh, *,
   return nnx.merge(nnx.graphdef(build.abstract(cfg.model)), nnx.state(pre.model()))
 
 
+def make_rl_learner(cfg: ExperimentConfig, model, mesh) -> Learner:
+  """The RL learner, starting from `model` (the pre-trained policy)."""
+  r = cfg.rl
+  return Learner(
+      cfg.model, mesh=mesh, seed=cfg.seed, init_model=model, sampler_dtype="float32",
+      minibatches=r.minibatches,
+      opt_cfg=OptimizerConfig(learning_rate=r.learning_rate, warmup_steps=r.warmup_steps),
+      loss_cfg=LossConfig(objective="policy", replay=r.replay, aux_loss=r.aux_loss,
+                          max_staleness=r.pipeline.max_staleness,
+                          policy=PolicyLossConfig(
+                              clip_eps_low=r.clip_eps,
+                              clip_eps_high=(r.clip_eps if r.clip_eps_high is None
+                                             else r.clip_eps_high),
+                              kl_coef=r.kl_coef)))
+
+
+def eval_split(cfg: ExperimentConfig):
+  """(all tasks, RL train tasks, evaluated tasks, their split's name).
+
+  Normally the evaluated tasks are the held-out split. With cfg.validation_fraction > 0 they are a
+  validation split carved from the train tasks (relabelled in `all tasks`, so the pre-training
+  corpus leaves them out as it leaves out held-out tasks) and the held-out split is not used.
+  """
+  all_tasks = suite_pyfunc.generate()
+  if cfg.validation_fraction > 0:
+    all_tasks, train, evaluated = splits.carve_validation(all_tasks, cfg.validation_fraction)
+    name = splits.VALIDATION
+  else:
+    train = suite_pyfunc.split(all_tasks, "train")
+    evaluated = suite_pyfunc.split(all_tasks, "test")
+    name = "held-out"
+  return all_tasks, train[:cfg.train_tasks], evaluated[:cfg.heldout_tasks], name
+
+
 def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
         echo: Callable[[str], None] = print, evaluate: bool = True) -> dict:
   """Runs the experiment; returns the summary (also written to run_dir/summary.json).
@@ -110,9 +145,7 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
   with open(os.path.join(run_dir, "config.json"), "w", encoding="utf-8") as f:
     json.dump(dataclasses.asdict(cfg), f, indent=1, default=str)
   rep = reporting.Reporter(run_dir, progress=progress)
-  all_tasks = suite_pyfunc.generate()
-  train = suite_pyfunc.split(all_tasks, "train")[:cfg.train_tasks]
-  heldout = suite_pyfunc.split(all_tasks, "test")[:cfg.heldout_tasks]
+  all_tasks, train, heldout, split_name = eval_split(cfg)
   # Samplers use the first devices of the split (the engines run on the default device, the
   # first of them); the learner's mesh is laid over the rest. One device: both share it.
   split = resources.split_devices(jax.devices(), cfg.inference_fraction)
@@ -134,21 +167,14 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
       rep.log("eval", 0, {"pass1": b_pass / b_total, "passed": b_pass, "samples": b_total,
                           **{f"pass@{k}": v for k, v in before.pass_at_k.items()
                              if v is not None}}, advance=0)
-      echo(f"held-out before RL: {b_pass}/{b_total} samples pass "
+      echo(f"{split_name} before RL: {b_pass}/{b_total} samples pass "
            f"({len(heldout)} tasks x {cfg.eval.samples}), solved {before.solved}/{len(heldout)}")
       timings["eval_before_s"] = time.time() - t0
 
     # -- 3. asynchronous RL on the train split ---------------------------------------------------
     t0 = time.time()
     r = cfg.rl
-    rl_learner = Learner(
-        cfg.model, mesh=mesh, seed=cfg.seed, init_model=model, sampler_dtype="float32",
-        opt_cfg=OptimizerConfig(learning_rate=r.learning_rate),
-        loss_cfg=LossConfig(objective="policy", replay=r.replay, aux_loss=r.aux_loss,
-                            max_staleness=r.pipeline.max_staleness,
-                            policy=PolicyLossConfig(clip_eps_low=r.clip_eps,
-                                                    clip_eps_high=r.clip_eps,
-                                                    kl_coef=r.kl_coef)))
+    rl_learner = make_rl_learner(cfg, model, mesh)
     step_groups: dict = {}
 
     def on_group(g):
@@ -195,7 +221,7 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
     rep.close()
   plots = reporting.make_plots(run_dir)
   summary = {
-      "heldout_tasks": len(heldout), "train_tasks": len(train),
+      "eval_split": split_name, "heldout_tasks": len(heldout), "train_tasks": len(train),
       "samples_per_task": cfg.eval.samples,
       "timings_s": {k: round(v, 1) for k, v in timings.items()},
       "plots": [os.path.basename(x) for x in plots],
@@ -207,7 +233,7 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
                          "solved": before.solved}
     summary["after"] = {"passed": a_pass, "samples": a_total, "pass_at_k": after.pass_at_k,
                         "solved": after.solved}
-    rows += [("held-out tasks", f"{len(heldout)} ({cfg.eval.samples} samples each, "
+    rows += [(f"{split_name} tasks", f"{len(heldout)} ({cfg.eval.samples} samples each, "
                                 f"temperature {cfg.eval.temperature})"),
              ("pass@1 before RL", f"{b_pass}/{b_total} = {b_pass / b_total:.3f}"),
              ("pass@1 after RL", f"{a_pass}/{a_total} = {a_pass / a_total:.3f}"),
@@ -224,5 +250,6 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
 def final_line(summary: dict) -> str:
   """The main job's last line of output."""
   b, a = summary["before"], summary["after"]
-  return (f"held-out pass@1: before {b['passed']}/{b['samples']} -> "
+  return (f"{summary.get('eval_split', 'held-out')} pass@1: "
+          f"before {b['passed']}/{b['samples']} -> "
           f"after {a['passed']}/{a['samples']}")

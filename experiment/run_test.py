@@ -9,6 +9,8 @@ import pytest
 
 from experiment import run as run_lib
 from experiment.config import EvalConfig, ExperimentConfig, PretrainConfig, RLConfig
+from moe import build
+from moe import sharding
 from moe.config import ModelConfig
 from pipeline.config import PipelineConfig
 
@@ -41,6 +43,41 @@ def test_tiny_experiment_end_to_end(tmp_path):
   phases = [json.loads(l)["phase"] for l in open(tmp_path / "metrics.jsonl")]
   assert phases.count("pretrain") == 3 and phases.count("rl") == 2 and phases.count("eval") == 2
   assert any("pass@1 before RL" in l for l in lines)
+
+
+def test_validation_mode_evaluates_carved_train_tasks_not_heldout():
+  cfg = ExperimentConfig(model=TINY, validation_fraction=1 / 6)
+  all_tasks, train, evaluated, name = run_lib.eval_split(cfg)
+  assert name == "validation"
+  assert evaluated and all(t.split == "validation" for t in evaluated)
+  assert not {t.task_id for t in evaluated} & {t.task_id for t in train}
+  assert all(t.split == "train" for t in train)
+  relabelled = {t.task_id: t.split for t in all_tasks}
+  assert all(relabelled[t.task_id] == "validation" for t in evaluated)
+  _, _, heldout, name = run_lib.eval_split(ExperimentConfig(model=TINY))
+  assert name == "held-out" and all(t.split == "test" for t in heldout)
+  assert run_lib.final_line({"eval_split": "validation", "before": {"passed": 1, "samples": 4},
+                             "after": {"passed": 3, "samples": 4}}) == (
+                                 "validation pass@1: before 1/4 -> after 3/4")
+  with pytest.raises(ValueError, match="validation_fraction"):
+    ExperimentConfig(model=TINY, validation_fraction=1.0)
+
+
+def test_rl_learner_takes_the_rl_settings():
+  cfg = ExperimentConfig(model=TINY, rl=RLConfig(
+      learning_rate=3e-4, warmup_steps=5, minibatches=2, clip_eps=0.2, clip_eps_high=0.28,
+      pipeline=PipelineConfig(batch_rows=4, seq_len=64)))
+  learner = run_lib.make_rl_learner(cfg, build.create(TINY), sharding.make_mesh((1, 1, 1, 1)))
+  assert learner.minibatches == 2
+  assert learner.opt_cfg.warmup_steps == 5 and learner.opt_cfg.learning_rate == 3e-4
+  assert float(learner.schedule(0)) == 0.0 and float(learner.schedule(5)) == pytest.approx(3e-4)
+  pol = learner.loss_cfg.policy
+  assert (pol.clip_eps_low, pol.clip_eps_high) == (0.2, 0.28)
+  same = run_lib.make_rl_learner(ExperimentConfig(model=TINY), build.create(TINY),
+                                 sharding.make_mesh((1, 1, 1, 1)))
+  assert same.loss_cfg.policy.clip_eps_high == same.loss_cfg.policy.clip_eps_low == 0.2
+  with pytest.raises(ValueError, match="multiple of minibatches"):
+    RLConfig(minibatches=3, pipeline=PipelineConfig(batch_rows=4))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,9 @@ class PipelineConfig:
     seq_len: learner row length (an episode must fit in one row).
     batch_rows: learner rows per step; every step's episodes are packed into exactly this many.
     grade_workers: threads grading attempts in sandboxes at once.
+    grade_cache: an attempt whose files were already graded for the same task reuses that grade
+      instead of starting a sandbox (pipeline/grade_cache.py; only for deterministic tests,
+      as the built-in suites' are).
     max_request_attempts: a sampler request that fails is retried on another sampler up to
       this many times in all before its attempts are recorded as infrastructure failures.
     request_timeout_s: a sampler request that takes longer is abandoned and retried.
@@ -35,6 +38,7 @@ class PipelineConfig:
   seq_len: int = 128
   batch_rows: int = 64
   grade_workers: int = 4
+  grade_cache: bool = False
   max_request_attempts: int = 3
   request_timeout_s: float = 300.0
   seed: int = 0

@@ -28,6 +28,7 @@ from envs import single_turn
 from envs import tasks as tasks_lib
 from moe.tokenizer import ByteTokenizer
 from pipeline import episodes as episodes_lib
+from pipeline import grade_cache as grade_cache_lib
 from pipeline.config import PipelineConfig
 from rollout.sampling import SamplingParams
 
@@ -84,8 +85,11 @@ class RolloutController:
     self.cfg = config
     self.reward_config = reward_config
     self.on_group = on_group
-    self.grade_fn = grade_fn or (lambda task, files, pool, config: reward_lib.grade(
+    grade = grade_fn or (lambda task, files, pool, config: reward_lib.grade(
         task, files, pool=pool, config=config))
+    # With config.grade_cache, repeated attempts reuse their grade (pipeline/grade_cache.py).
+    self.grade_cache = grade_cache_lib.GradeCache(grade) if config.grade_cache else None
+    self.grade_fn = self.grade_cache or grade
     self.tok = tokenizer or ByteTokenizer()
     self._order = random.Random(config.seed)
     self._grader = concurrent.futures.ThreadPoolExecutor(config.grade_workers)
