@@ -100,6 +100,35 @@ def test_unit_steps_fold_into_the_gap_codes(dtype):
   assert len(payload) < len(sparse)
 
 
+@pytest.mark.parametrize("frac", [0.25, 0.9])
+def test_busy_unit_steps_use_dense_unit(frac):
+  cctx, dctx = _ctx()
+  rng = np.random.default_rng(1)
+  base = rng.integers(0, 1 << 16, 50_001, dtype=np.uint16)
+  new = base.copy()
+  idx = np.flatnonzero(rng.random(base.size) < frac)
+  new[idx] += np.where(rng.random(idx.size) < 0.5, 1, 0xFFFF).astype(np.uint16)
+  new[idx[::50]] += np.uint16(9)  # exceptions
+  kind, payload, nnz, ch = codec.encode_chunk(base, new, cctx)
+  assert kind == codec.DENSE_UNIT and nnz == idx.size and ch == 0
+  np.testing.assert_array_equal(codec.decode_changes(kind, payload, base.size, np.uint16, dctx),
+                                new - base)
+  out = np.empty_like(base)
+  codec.decode_chunk(kind, payload, base, out, dctx)
+  np.testing.assert_array_equal(out, new)
+  inplace = base.copy()
+  assert codec.apply_chunk(kind, payload, inplace, dctx) is None  # no changes hash: hash whole
+  np.testing.assert_array_equal(inplace, new)
+  codec.apply_chunk(kind, payload, inplace, dctx, undo=True)
+  np.testing.assert_array_equal(inplace, base)
+  with pytest.raises(codec.CodecError):  # a payload for another chunk length
+    codec.apply_chunk(kind, payload, base[:-1].copy(), dctx)
+  # Steps that are mostly not +-1: the plain forms.
+  other = base.copy()
+  other[idx] += np.uint16(3)
+  assert codec.encode_chunk(base, other, cctx)[0] in (codec.SPARSE, codec.DENSE)
+
+
 def test_raw_roundtrip_and_damage_detected():
   cctx, dctx = _ctx()
   new = np.arange(1000, dtype=np.uint16)

@@ -43,7 +43,7 @@ differ, so an unlisted element keeps P's bits, which equal N's; for a listed ele
 changes hash over (position, bits before, bits after) that the kernel computed while writing
 must equal the encoder's hash over (position, P's bits, N's bits), so the element held P's bits
 and now holds N's (up to a 2**-64 collision, as for the xxh3-64 chunk hashes). Hence the result
-is N bit-exactly. DENSE and RAW chunks (every element changes anyway) are still hashed whole, and
+is N bit-exactly. DENSE, DENSE_UNIT and RAW chunks (every element changes anyway) are still hashed whole, and
 so are sparse chunks with more than `_CHANGES_HASH_LIMIT` of their elements changed (there one
 xxh3 pass over the just-written chunk costs less than mixing every change).
 What this mode does not see is held memory that differs from P at an *unchanged* position while
@@ -71,10 +71,10 @@ from sync import weights
 
 MAGIC = b"SYNCDLT1"
 END_MAGIC = b"SYNCEND1"
-FORMAT = 3  # 2: records carry the changes hash; 3: adds SPARSE_UNIT chunks
+FORMAT = 3  # 2: records carry the changes hash; 3: adds SPARSE_UNIT and DENSE_UNIT chunks
 # Chunk kinds each readable format may hold (format 2 blobs still decode).
 _KINDS = {2: frozenset((codec.SAME, codec.SPARSE, codec.DENSE, codec.RAW)),
-          3: frozenset((codec.SAME, codec.SPARSE, codec.DENSE, codec.RAW, codec.SPARSE_UNIT))}
+          3: frozenset(codec.KIND_NAMES)}
 # With check="changes", a sparse chunk with more than this fraction of its elements changed is
 # checked by xxh3 of the rebuilt chunk instead: mixing every change costs ~1.2 ns, hashing the
 # just-written (cached) chunk ~0.03 ns per element, so beyond a few percent the hash is cheaper

@@ -140,16 +140,92 @@ def test_malformed_unit_bodies_leave_the_chunk_unchanged(use_numba, frac):
   np.testing.assert_array_equal(out, base)
 
 
+def _dense_body(dtype, n, frac=0.3, seed=0, exceptions=True):
+  rng = np.random.default_rng(seed)
+  info = np.iinfo(dtype)
+  base = rng.integers(0, info.max, n, dtype=dtype, endpoint=True)
+  new = base.copy()
+  idx = np.flatnonzero(rng.random(n) < frac)
+  new[idx] += np.where(rng.random(idx.size) < 0.5, dtype(1), info.max).astype(dtype)
+  if exceptions:
+    new[idx[5::40]] += dtype(7)
+    new[n - 1] = base[n - 1] ^ info.max  # an exception in the last (partial) byte
+  kind, payload, _, _ = codec.encode_chunk(base, new, zstandard.ZstdCompressor(level=1))
+  assert kind == codec.DENSE_UNIT
+  return base, new, zstandard.ZstdDecompressor().decompress(payload)
+
+
+@pytest.mark.parametrize("n", [4096, 4097, 4099])  # SWAR lanes plus a tail of 0, 1, 3
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32, np.uint64])
+def test_dense_unit_numba_and_numpy_paths_are_bit_identical(dtype, n):
+  for exceptions in (True, False):
+    base, new, raw = _dense_body(dtype, n, exceptions=exceptions)
+    assert (kernels.DENSE_UNIT_HEAD.unpack_from(raw)[1] > 0) == exceptions
+    for use_numba in (True, False):
+      out = base.copy()
+      assert kernels.dense_unit_apply(raw, out, use_numba=use_numba)
+      np.testing.assert_array_equal(out, new)
+      assert kernels.dense_unit_apply(raw, out, undo=True, use_numba=use_numba)
+      np.testing.assert_array_equal(out, base)
+  unaligned = np.zeros(n + 1, dtype)[1:]  # a chunk that does not start on 8 bytes
+  unaligned[...] = base
+  assert kernels.dense_unit_apply(raw, unaligned)
+  np.testing.assert_array_equal(unaligned, new)
+
+
+def _dense_with(raw, packed=None, exc=None):
+  """`raw` (a uint16 DENSE_UNIT body without exceptions) with other symbols or exceptions."""
+  n, _ = kernels.DENSE_UNIT_HEAD.unpack_from(raw)
+  h = kernels.DENSE_UNIT_HEAD.size
+  packed = raw[h:h + -(-n // 4)] if packed is None else packed
+  pos, vals = exc or ([], [])
+  pos = np.asarray(pos, "<u4")
+  planes = np.ascontiguousarray(pos.view(np.uint8).reshape(-1, 4)[:, :3].T).tobytes()
+  v = np.ascontiguousarray(np.asarray(vals, "<u2").view(np.uint8).reshape(-1, 2).T).tobytes()
+  return kernels.DENSE_UNIT_HEAD.pack(n, len(pos)) + bytes(packed) + planes + v
+
+
+@pytest.mark.parametrize("use_numba", [True, False])
+def test_malformed_dense_unit_bodies_leave_the_chunk_unchanged(use_numba):
+  base, _, raw = _dense_body(np.uint16, 4099, exceptions=False)
+  h = kernels.DENSE_UNIT_HEAD.size
+  packed = np.frombuffer(raw, np.uint8, 1025, h).copy()
+  zero = np.flatnonzero(((packed[:, None] >> np.array([0, 2, 4, 6], np.uint8)) & 3)
+                        .reshape(-1)[:4099] == 0)
+  three = packed.copy()
+  three[700] |= 0xC0  # a symbol 3, found only while applying: undone
+  pad = packed.copy()
+  pad[-1] |= 0x40  # a padding symbol beyond the 4099th element
+  busy = np.flatnonzero(((packed[:, None] >> np.array([0, 2, 4, 6], np.uint8)) & 3)
+                        .reshape(-1)[:4099] != 0)
+  bad = [raw[:-1], raw + b"\0", raw[:5],
+         kernels.DENSE_UNIT_HEAD.pack(4098, 0) + raw[h:],  # another element count
+         _dense_with(raw, three), _dense_with(raw, pad),
+         _dense_with(raw, exc=([zero[3], zero[3]], [4, 4])),  # positions not increasing
+         _dense_with(raw, exc=([zero[5], zero[2]], [4, 4])),
+         _dense_with(raw, exc=([4099], [4])),  # outside the chunk
+         _dense_with(raw, exc=([zero[1]], [0])),  # changes nothing
+         _dense_with(raw, exc=([busy[0]], [4]))]  # on an element that has a symbol
+  assert kernels.dense_unit_apply(_dense_with(raw, exc=([zero[1], zero[9]], [4, 6])),
+                                  base.copy(), use_numba=use_numba)
+  out = base.copy()
+  for body in bad:
+    assert not kernels.dense_unit_apply(body, out, use_numba=use_numba)
+    np.testing.assert_array_equal(out, base)
+
+
 def test_delta_roundtrip_without_numba_matches():
   code = ("import numpy as np, ml_dtypes\n"
           "from sync import delta, kernels, synthetic, weights\n"
           "assert not kernels.HAVE_NUMBA\n"
-          "m = synthetic.init_master({'w': (300, 500)}, 1)\n"
-          "b = synthetic.cast(m); synthetic.rl_step(m, 0.04, 2); n = synthetic.cast(m)\n"
-          "blob = delta.encode(b, n, chunk_elems=30_000)\n"
-          "h = {k: v.copy() for k, v in b.items()}\n"
-          "out, _ = delta.apply_inplace(h, blob, expect_parent=weights.digest(b, 30_000))\n"
-          "assert np.array_equal(weights.words(out['w']), weights.words(n['w']))\n")
+          "for frac, kind in ((0.04, 'sparse_unit'), (0.3, 'dense_unit')):\n"
+          "  m = synthetic.init_master({'w': (300, 500)}, 1)\n"
+          "  b = synthetic.cast(m); synthetic.rl_step(m, frac, 2); n = synthetic.cast(m)\n"
+          "  blob = delta.encode(b, n, chunk_elems=30_000)\n"
+          "  h = {k: v.copy() for k, v in b.items()}\n"
+          "  out, st = delta.apply_inplace(h, blob, expect_parent=weights.digest(b, 30_000))\n"
+          "  assert set(st.chunks) == {kind}, st.chunks\n"
+          "  assert np.array_equal(weights.words(out['w']), weights.words(n['w']))\n")
   env = dict(os.environ, SYNC_NO_NUMBA="1",
              PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
   res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
