@@ -40,6 +40,7 @@ import sandbox_child  # Beside this file in the sandbox (/opt/envs); stdlib only
 WORKSPACE = "/workspace"
 _PR_SET_DUMPABLE = 4
 _PR_SET_CHILD_SUBREAPER = 36
+_PF_EXITING = 0x4  # task flag, /proc/PID/stat field 9
 _MAX_STDIN_BYTES = 60000  # Fits a pipe buffer, so writing it never blocks.
 _MAX_FILE_BYTES = 1 << 20
 _MAX_TOTAL_BYTES = 16 << 20
@@ -89,22 +90,39 @@ def _safe_rel(path):
 class _Spare:
   """A forked command process waiting for its request, and the zygote's ends of its pipes."""
 
-  def __init__(self, pid, req_w, in_w, out_r, err_r, aud_r):
+  def __init__(self, pid, req_w, in_w, out_r, err_r, aud_r, status_r):
     self.pid = pid
     self.req_w = req_w
     self.in_w = in_w
     self.out_r = out_r
     self.err_r = err_r
     self.aud_r = aud_r
+    self.status_r = status_r
 
   def close(self):
-    for fd in (self.req_w, self.in_w, self.out_r, self.err_r, self.aud_r):
+    for fd in (self.req_w, self.in_w, self.out_r, self.err_r, self.aud_r, self.status_r):
       if fd >= 0:
         try:
           os.close(fd)
         except OSError:
           pass
-    self.req_w = self.in_w = self.out_r = self.err_r = self.aud_r = -1
+    self.req_w = self.in_w = self.out_r = self.err_r = self.aud_r = self.status_r = -1
+
+
+def _task_state(pid):
+  """"exiting" once the kernel is tearing pid down (it can never run user code again),
+  "zombie" once it has exited, "running" before, "unknown" if /proc cannot say."""
+  try:
+    fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
+    try:
+      fields = os.read(fd, 4096).rsplit(b")", 1)[1].split()
+    finally:
+      os.close(fd)
+    if fields[0] in (b"Z", b"X"):
+      return "zombie"
+    return "exiting" if int(fields[6]) & _PF_EXITING else "running"
+  except (OSError, IndexError, ValueError):
+    return "unknown"
 
 
 class Zygote:
@@ -129,6 +147,7 @@ class Zygote:
     self.base_path = [p for p in sys.path if p and not p.startswith("/opt/envs")]
     self._pgids = set()
     self._spare = None
+    self._cleanup_pending = False
 
   def serve(self):
     self._fork_spare()
@@ -144,6 +163,11 @@ class Zygote:
       except Exception as e:  # pylint: disable=broad-except
         resp = {"ok": False, "error": f"{type(e).__name__}: {e}"}
       _send(self.ctl_w, resp)
+      if self._cleanup_pending:
+        # The command reported its exit and was already exiting; finish it off and reap it
+        # before anything else happens in the sandbox.
+        self._kill_all()
+        self._cleanup_pending = False
       if self._spare is None:
         # After answering, so the fork overlaps the host's work on the response.
         self._fork_spare()
@@ -152,7 +176,7 @@ class Zygote:
 
   def _fork_spare(self):
     """Forks the next command process; it prepares itself and waits for its request."""
-    pipes = [os.pipe() for _ in range(5)]  # stdin, stdout, stderr, audit, request
+    pipes = [os.pipe() for _ in range(6)]  # stdin, stdout, stderr, audit, status, request
     # Everything allocated so far stays out of the child's garbage collections: a collection
     # that walked it would write to (and so copy) most of the zygote's pages.
     gc.freeze()
@@ -164,13 +188,14 @@ class Zygote:
         os.close(w)
       return  # Retried on demand by _take_spare, which then reports the error.
     if pid == 0:
-      (in_r, _), (_, out_w), (_, err_w), (_, aud_w), (req_r, _) = pipes
-      sandbox_child.main((in_r, out_w, err_w, aud_w, req_r), base_path=self.base_path,
-                         workspace=WORKSPACE)  # Never returns.
-    (in_r, in_w), (out_r, out_w), (err_r, err_w), (aud_r, aud_w), (req_r, req_w) = pipes
-    for fd in (in_r, out_w, err_w, aud_w, req_r):
+      (in_r, _), (_, out_w), (_, err_w), (_, aud_w), (_, status_w), (req_r, _) = pipes
+      sandbox_child.main((in_r, out_w, err_w, aud_w, status_w, req_r),
+                         base_path=self.base_path, workspace=WORKSPACE)  # Never returns.
+    ((in_r, in_w), (out_r, out_w), (err_r, err_w), (aud_r, aud_w), (status_r, status_w),
+     (req_r, req_w)) = pipes
+    for fd in (in_r, out_w, err_w, aud_w, status_w, req_r):
       os.close(fd)
-    self._spare = _Spare(pid, req_w, in_w, out_r, err_r, aud_r)
+    self._spare = _Spare(pid, req_w, in_w, out_r, err_r, aud_r, status_r)
 
   def _take_spare(self, body, stdin_data):
     """Hands the request to the spare (forking one if needed); returns it, now running."""
@@ -219,14 +244,17 @@ class Zygote:
         pass
     return pids
 
-  def _kill_all(self):
-    """Kills every other process in the sandbox and reaps them; returns how many were alive."""
+  def _kill_all(self, exclude=()):
+    """Kills every other process in the sandbox and reaps them.
+
+    Returns how many were alive, not counting pids in `exclude`.
+    """
     killed = 0
     for _ in range(100):
       others = self._others()
       if not others:
         break
-      killed = max(killed, len(others))
+      killed = max(killed, len([p for p in others if p not in exclude]))
       if self.ns_mode:
         try:
           os.kill(-1, signal.SIGKILL)
@@ -287,11 +315,15 @@ class Zygote:
     start = time.monotonic()
     spare = self._take_spare(body, stdin_data)
     pid, out_r, err_r, aud_r = spare.pid, spare.out_r, spare.err_r, spare.aud_r
+    status_r = spare.status_r
     self._pgids.add(pid)
-    bufs = {out_r: bytearray(), err_r: bytearray(), aud_r: bytearray()}
-    dropped = {out_r: 0, err_r: 0, aud_r: 0}
-    open_fds = {out_r, err_r, aud_r}
+    bufs = {out_r: bytearray(), err_r: bytearray(), aud_r: bytearray(), status_r: bytearray()}
+    dropped = {out_r: 0, err_r: 0, aud_r: 0, status_r: 0}
+    caps = {out_r: cap, err_r: cap, aud_r: 65536, status_r: 16}
+    open_fds = {out_r, err_r, aud_r, status_r}
     status = None
+    reported = None  # The exit code the command reported, once it is known to be exiting.
+    report_checked = False
     exited_at = None
     timed_out = False
     deadline = start + timeout_s
@@ -318,18 +350,34 @@ class Zygote:
         if not chunk:
           open_fds.discard(fd)
           continue
-        room = (cap if fd != aud_r else 65536) - len(bufs[fd])
+        room = caps[fd] - len(bufs[fd])
         if room > 0:
           bufs[fd] += chunk[:room]
         dropped[fd] += max(0, len(chunk) - max(room, 0))
+      if status is None and not open_fds and bufs[status_r] and not report_checked:
+        # Checked once, as the pipes close: the command's own exit path closes them just
+        # before it exits.
+        report_checked = True
+        reported = self._reported_exit(pid, bytes(bufs[status_r]))
+        if reported is not None:
+          break
     wall = time.monotonic() - start
-    leftovers = self._kill_all()
-    if status is None:
-      # Killed by us; it was reaped inside _kill_all.
-      status = signal.SIGKILL
+    if reported is not None:
+      # The command is exiting: count what it left running without waiting for it to go.
+      leftovers = len([p for p in self._others() if p != pid])
+      if leftovers:
+        leftovers = self._kill_all(exclude=(pid,))
+      else:
+        self._cleanup_pending = True  # Done right after the answer (see serve).
+      exit_code = reported
+    else:
+      leftovers = self._kill_all()
+      if status is None:
+        # Killed by us; it was reaped inside _kill_all.
+        status = signal.SIGKILL
+      exit_code = os.waitstatus_to_exitcode(status) if not timed_out else -signal.SIGKILL
     spare.close()
     violations = []
-    exit_code = os.waitstatus_to_exitcode(status) if not timed_out else -signal.SIGKILL
     if timed_out:
       violations.append(f"timeout: killed after {timeout_s:g}s wall time")
     elif leftovers:
@@ -365,6 +413,33 @@ class Zygote:
         "events": events,
         "wall_s": wall,
     }
+
+  def _reported_exit(self, pid, report):
+    """The exit code a fast-path command reported, once the kernel has it exiting; else None.
+
+    The command closes its pipes just before exiting, so this waits microseconds. A report from
+    sandboxed code that then carries on is never confirmed (the normal wait takes over, and
+    reports the real exit), and one followed at once by a different exit says no more than
+    os._exit could have.
+    """
+    try:
+      code = int(report)
+    except ValueError:
+      return None
+    if not 0 <= code <= 255:
+      return None
+    for i in range(20):
+      state = _task_state(pid)
+      if state == "exiting":
+        return code
+      if state != "running":
+        return None  # Gone or a zombie already: waitpid has the real status.
+      # Let the command reach its exit (it may share this CPU), briefly.
+      if i < 3:
+        os.sched_yield()
+      else:
+        time.sleep(0.0001)
+    return None
 
   # -- files -----------------------------------------------------------------------------------
 

@@ -118,6 +118,18 @@ def test_stdin_cwd_env_and_limits_reach_the_command(pool):
     assert r.stdout == "in\n/workspace/sub\nv\n", r
 
 
+def test_exit_report_is_only_trusted_from_an_exiting_process(pool):
+  # Sandboxed code can write an exit report and close its pipes, then carry on: the zygote must
+  # wait for the real exit. The report descriptor never reaches exec'd programs.
+  code = ("import os, time\nos.write(1002, b'0')\nfor fd in (0, 1, 2, 1000, 1002):\n"
+          "  os.close(fd)\ntime.sleep(0.3)\nos._exit(3)")
+  r = sandbox.run({"m.py": code}, ["python3", "m.py"], pool=pool)
+  assert (r.exit_code, r.timed_out, r.violations) == (3, False, []), r
+  r = sandbox.run({}, ["python3", "-c", "import os\ntry:\n  os.fstat(1002)\nexcept OSError:\n"
+                       "  print('closed')"], pool=pool, fast_path=False)
+  assert r.stdout == "closed\n", r
+
+
 def test_many_commands_in_one_sandbox_stay_fast_and_clean(pool):
   with sandbox.Sandbox({"m.py": "import sys\nprint(sys.argv[1])"}, pool=pool) as sb:
     for i in range(30):

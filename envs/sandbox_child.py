@@ -35,6 +35,7 @@ import sandbox_audit  # Beside this file in the sandbox (/opt/envs); stdlib only
 
 AUDIT_FD = 1000
 REQUEST_FD = 1001
+STATUS_FD = 1002  # Fast path only: the exit code, written just before exiting (not inherited).
 _PR_GET_DUMPABLE = 3
 _PR_SET_DUMPABLE = 4
 _WARM_REQUEST = marshal.dumps({"argv": ["python3", "main.py"], "cpu_s": 11, "memory_mb": 512,
@@ -62,7 +63,7 @@ def main(fds, *, base_path, workspace):
   """Runs in the freshly forked child; never returns.
 
   Args:
-    fds: (stdin read end, stdout write end, stderr write end, audit write end, request read end).
+    fds: read end of stdin, write ends of stdout, stderr, audit and status, read end of request.
     base_path: sys.path for sandboxed Python, without the zygote's own directory.
     workspace: the default working directory.
   """
@@ -86,7 +87,7 @@ def main(fds, *, base_path, workspace):
 
 def _prepare(fds, workspace):
   """Everything that does not depend on the request (runs ahead of demand)."""
-  in_r, out_w, err_w, aud_w, req_r = fds
+  in_r, out_w, err_w, aud_w, status_w, req_r = fds
   os.setsid()
   signal.set_wakeup_fd(-1)
   signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -94,8 +95,9 @@ def _prepare(fds, workspace):
   os.dup2(out_w, 1)
   os.dup2(err_w, 2)
   os.dup2(aud_w, AUDIT_FD)
+  os.dup2(status_w, STATUS_FD, inheritable=False)
   os.dup2(req_r, REQUEST_FD)
-  _close_fds_except((0, 1, 2, AUDIT_FD, REQUEST_FD))
+  _close_fds_except((0, 1, 2, AUDIT_FD, STATUS_FD, REQUEST_FD))
   try:
     with open("/proc/self/oom_score_adj", "w") as f:
       f.write("1000")
@@ -224,6 +226,25 @@ def _run_python_here(args, env, base_path):
     sys.stderr.flush()
   except BaseException:  # pylint: disable=broad-except
     pass
+  _exit_now(code)
+
+
+def _exit_now(code):
+  """Reports the exit code and closes the pipes, then exits.
+
+  So the zygote can answer without waiting for the kernel to tear this process down (a fork of
+  the zygote: about half a millisecond). It trusts the report only once the kernel marks this
+  process as exiting, so sandboxed code that writes a report and carries on gains nothing.
+  """
+  try:
+    os.write(STATUS_FD, str(code).encode())
+  except OSError:
+    pass
+  for fd in (0, 1, 2, AUDIT_FD, STATUS_FD):
+    try:
+      os.close(fd)
+    except OSError:
+      pass
   os._exit(code)
 
 
