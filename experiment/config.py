@@ -46,8 +46,6 @@ class RLConfig:
     steps: learner steps (0 skips RL).
     learning_rate: AdamW learning rate (constant after the warmup).
     warmup_steps: linear warmup of the learning rate from 0 over this many optimizer steps.
-    minibatches: optimizer steps per learner step, each on an equal share of the step's rows
-      (PPO-style minibatch updates: more updates from the same samples at no extra compute).
     pipeline: rollout / staleness / batching settings.
     num_samplers: in-process sampling engines.
     sampler_slots: decode slots per engine.
@@ -63,7 +61,6 @@ class RLConfig:
   steps: int = 60
   learning_rate: float = 1e-4
   warmup_steps: int = 0
-  minibatches: int = 1
   pipeline: PipelineConfig = PipelineConfig()
   num_samplers: int = 1
   sampler_slots: int = 64
@@ -76,11 +73,8 @@ class RLConfig:
   def __post_init__(self):
     if self.steps < 0 or self.learning_rate <= 0 or self.num_samplers < 1:
       raise ValueError("RLConfig: need steps >= 0, learning_rate > 0, num_samplers >= 1")
-    if self.warmup_steps < 0 or self.minibatches < 1:
-      raise ValueError("RLConfig: need warmup_steps >= 0 and minibatches >= 1")
-    if self.pipeline.batch_rows % self.minibatches:
-      raise ValueError(f"RLConfig: pipeline.batch_rows ({self.pipeline.batch_rows}) must be a "
-                       f"multiple of minibatches ({self.minibatches})")
+    if self.warmup_steps < 0:
+      raise ValueError("RLConfig: need warmup_steps >= 0")
 
 
 @dataclasses.dataclass(frozen=True)

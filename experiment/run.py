@@ -105,7 +105,6 @@ def make_rl_learner(cfg: ExperimentConfig, model, mesh) -> Learner:
   r = cfg.rl
   return Learner(
       cfg.model, mesh=mesh, seed=cfg.seed, init_model=model, sampler_dtype="float32",
-      minibatches=r.minibatches,
       opt_cfg=OptimizerConfig(learning_rate=r.learning_rate, warmup_steps=r.warmup_steps),
       loss_cfg=LossConfig(objective="policy", replay=r.replay, aux_loss=r.aux_loss,
                           max_staleness=r.pipeline.max_staleness,

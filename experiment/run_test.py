@@ -65,10 +65,9 @@ def test_validation_mode_evaluates_carved_train_tasks_not_heldout():
 
 def test_rl_learner_takes_the_rl_settings():
   cfg = ExperimentConfig(model=TINY, rl=RLConfig(
-      learning_rate=3e-4, warmup_steps=5, minibatches=2, clip_eps=0.2, clip_eps_high=0.28,
+      learning_rate=3e-4, warmup_steps=5, clip_eps=0.2, clip_eps_high=0.28,
       pipeline=PipelineConfig(batch_rows=4, seq_len=64)))
   learner = run_lib.make_rl_learner(cfg, build.create(TINY), sharding.make_mesh((1, 1, 1, 1)))
-  assert learner.minibatches == 2
   assert learner.opt_cfg.warmup_steps == 5 and learner.opt_cfg.learning_rate == 3e-4
   assert float(learner.schedule(0)) == 0.0 and float(learner.schedule(5)) == pytest.approx(3e-4)
   pol = learner.loss_cfg.policy
@@ -76,8 +75,8 @@ def test_rl_learner_takes_the_rl_settings():
   same = run_lib.make_rl_learner(ExperimentConfig(model=TINY), build.create(TINY),
                                  sharding.make_mesh((1, 1, 1, 1)))
   assert same.loss_cfg.policy.clip_eps_high == same.loss_cfg.policy.clip_eps_low == 0.2
-  with pytest.raises(ValueError, match="multiple of minibatches"):
-    RLConfig(minibatches=3, pipeline=PipelineConfig(batch_rows=4))
+  with pytest.raises(ValueError, match="warmup_steps"):
+    RLConfig(warmup_steps=-1)
 
 
 if __name__ == "__main__":
