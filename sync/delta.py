@@ -76,10 +76,11 @@ FORMAT = 3  # 2: records carry the changes hash; 3: adds SPARSE_UNIT and DENSE_U
 _KINDS = {2: frozenset((codec.SAME, codec.SPARSE, codec.DENSE, codec.RAW)),
           3: frozenset(codec.KIND_NAMES)}
 # With check="changes", a sparse chunk with more than this fraction of its elements changed is
-# checked by xxh3 of the rebuilt chunk instead: mixing every change costs ~1.2 ns, hashing the
-# just-written (cached) chunk ~0.03 ns per element, so beyond a few percent the hash is cheaper
-# (and it proves more).
-_CHANGES_HASH_LIMIT = 1 / 8
+# checked by xxh3 of the rebuilt chunk instead. Per 128 MB of bf16 on one core, mixing every
+# change cost ~1.1 ms at 4% changed and ~20 ms at 25% (the kernel is memory-bound at 4%, so
+# the mixing partly hides), xxh3 of every just-written chunk ~2.5 ms: the break-even is near
+# 6-8%, and the xxh3 check proves more.
+_CHANGES_HASH_LIMIT = 1 / 16
 _LEN = struct.Struct("<I")
 _REC = struct.Struct("<IIB3xQQQQQ")
 _CHECK = struct.Struct("<I")
@@ -444,7 +445,7 @@ CHECKS = ("auto", "result", "changes")
 
 def apply_inplace(base: Mapping[str, np.ndarray], source, *, workers=None,
                   expect_parent: str | None = None, verify_base: bool = False,
-                  check: str = "auto"):
+                  check: str = "auto", reverse: bool = False):
   """Turns `base` into the new version by writing only the changed elements into its arrays.
 
   The cheap path for a sampler that holds one copy of the weights: no second model is
@@ -479,6 +480,10 @@ def apply_inplace(base: Mapping[str, np.ndarray], source, *, workers=None,
       `expect_parent` and relies on `base` holding that version (a base that differs from it
       at changed elements is still caught and rolled back). "auto" (default): "changes" when
       `expect_parent` is given, else "result".
+    reverse: undo an applied delta instead: `base` holds the blob's new version and is turned
+      back into its parent, every chunk checked by the parent's chunk hash (all or nothing as
+      above; `check` and `verify_base` do not apply). Tensors stored whole are left out. For a
+      caller whose step after applying failed, e.g. a sampler that could not swap the result in.
 
   Returns:
     (flat dict of the new version, Stats). Tensors with a base are the very arrays of `base`;
@@ -493,7 +498,11 @@ def apply_inplace(base: Mapping[str, np.ndarray], source, *, workers=None,
     raise ValueError(f"check must be one of {CHECKS}, not {check!r}")
   if check == "changes" and expect_parent is None:
     raise ValueError('check="changes" needs expect_parent (the held version\'s digest)')
-  by_changes = check == "changes" or (check == "auto" and expect_parent is not None)
+  if reverse and (check == "changes" or verify_base):
+    raise ValueError("reverse=True checks every restored chunk by its parent's hash; "
+                     "check='changes' and verify_base do not apply")
+  by_changes = not reverse and (
+      check == "changes" or (check == "auto" and expect_parent is not None))
   t0 = time.perf_counter()
   reader = _Reader(source)
   head = _read_header(reader)
@@ -554,9 +563,11 @@ def apply_inplace(base: Mapping[str, np.ndarray], source, *, workers=None,
       ti, ci, kind, payload, bh, nh, ch = rec
       if raw_t[ti] != (kind == codec.RAW):
         return False, f"tensor {tensors[ti][0]!r} chunk {ci}: kind {kind} does not fit"
+      if reverse and raw_t[ti]:
+        return False, None  # a tensor stored whole has no parent to go back to
       o = view(rec)
       try:
-        h = codec.apply_chunk(kind, payload, o, local.dctx,
+        h = codec.apply_chunk(kind, payload, o, local.dctx, undo=reverse,
                               hash_limit=_CHANGES_HASH_LIMIT if by_changes else 0.0)
       except codec.CodecError as e:
         return False, f"tensor {tensors[ti][0]!r} chunk {ci}: {e}"
@@ -565,7 +576,7 @@ def apply_inplace(base: Mapping[str, np.ndarray], source, *, workers=None,
           return True, f"changes hash mismatch at tensor {tensors[ti][0]!r} chunk {ci}"
       elif by_changes and kind == codec.SAME:
         pass  # nothing changed: the held bits are the parent's, which are the new ones
-      elif weights.chunk_hash(o) != nh:
+      elif weights.chunk_hash(o) != (bh if reverse else nh):
         return True, f"rebuilt chunk hash mismatch at tensor {tensors[ti][0]!r} chunk {ci}"
       return True, None
 
@@ -577,16 +588,17 @@ def apply_inplace(base: Mapping[str, np.ndarray], source, *, workers=None,
         if raw_t[ti]:
           return True
         o = view(rec)
-        codec.apply_chunk(kind, payload, o, local.dctx, undo=True, hash_limit=0.0)
-        return weights.chunk_hash(o) == bh
+        codec.apply_chunk(kind, payload, o, local.dctx, undo=not reverse, hash_limit=0.0)
+        return weights.chunk_hash(o) == (nh if reverse else bh)
       restored = _map_all(pool, undo, [r for r, (done, _) in zip(recs, results) if done], w)
       base_matches = all(restored)
       if not base_matches:
-        raise DeltaError("base does not match the delta's parent (foreign or out-of-order "
+        held = "the delta's new version" if reverse else "the delta's parent"
+        raise DeltaError(f"base does not match {held} (foreign or out-of-order "
                          f"delta); rolled back. First failure: {errors[0]}")
       raise DeltaError(f"{errors[0]}; rolled back")
   for _, _, kind, *_ in recs:
     k = codec.KIND_NAMES.get(kind, str(kind))
     stats.chunks[k] = stats.chunks.get(k, 0) + 1
   stats.seconds = time.perf_counter() - t0
-  return {t[0]: o for t, o in zip(tensors, outs)}, stats
+  return {t[0]: o for t, o in zip(tensors, outs) if not (reverse and t[3])}, stats

@@ -311,6 +311,25 @@ def test_format_2_blobs_still_decode_and_kinds_are_checked_per_format(monkeypatc
     delta.decode(base, future)
 
 
+@pytest.mark.parametrize("frac", [0.04, 0.3])
+def test_reverse_undoes_an_applied_delta_and_checks_what_it_holds(frac):
+  base, new = _pair(frac=frac)
+  new["added"] = np.arange(5, dtype=np.float32)  # stored whole: left out when reversing
+  blob = delta.encode(base, new, chunk_elems=20_000)
+  held = _copy(base)
+  out, _ = delta.apply_inplace(held, blob, expect_parent=weights.digest(base, 20_000))
+  assert _same_bits(out, new)
+  back, _ = delta.apply_inplace(held, blob, reverse=True, workers=2)
+  assert _same_bits(held, base) and back.keys() == base.keys()
+  assert all(back[k] is held[k] for k in base)
+  # Held arrays that are not the blob's new version (here: the parent): rejected, untouched.
+  with pytest.raises(delta.DeltaError, match="new version.*rolled back"):
+    delta.apply_inplace(held, blob, reverse=True)
+  assert _same_bits(held, base)
+  with pytest.raises(ValueError, match="reverse"):
+    delta.apply_inplace(held, blob, reverse=True, check="changes", expect_parent="0" * 32)
+
+
 def test_apply_inplace_rejects_unusable_buffers():
   base, new = _pair()
   blob = delta.encode(base, new)
