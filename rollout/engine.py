@@ -271,12 +271,64 @@ class Engine:
     return result
 
   def swap_delta(self, blob: bytes, version: int) -> dict:
-    """Applies a `sync.delta` blob against the current weights (raises delta.DeltaError)."""
+    """Applies a `sync.delta` blob to the served weights in place, then swaps the result in.
+
+    Only the changed elements are written (`delta.apply_inplace`), into host arrays this engine
+    owns: a copy of the served weights taken once when they came from elsewhere (start-up,
+    `swap_weights`), so a caller's arrays are never written; after that each delta swap updates
+    the arrays of the previous one. The held version is named by its digest, so the delta is
+    checked by its changes (check="changes") and a blob for another parent is refused.
+
+    All or nothing: a damaged blob, one for another parent version, or one whose result would
+    not fit the model raises (delta.DeltaError / ValueError) before anything changes; if the
+    swap fails after the apply, the delta is reversed so the held arrays are the served version
+    again. Note that `current_flat()` then returns the held arrays, which the next delta swap
+    updates in place (copy them to keep a version).
+
+    Returns:
+      `swap_weights`' timings plus "decode_s" (copy on first use, digest, apply in place;
+      packing is "prepare_s").
+    """
     from sync import delta  # imported here: only delta swaps need the codec
-    t0 = time.perf_counter()
-    new_flat = delta.decode(self.current_flat(), blob)
-    decoded = time.perf_counter() - t0
-    out = self.swap_weights(new_flat, version)
+    from sync import weights as sync_weights
+    with self._cv_lock:
+      lock = self.__dict__.setdefault("_delta_lock", threading.Lock())
+    with lock:  # one delta swap at a time: they share the held arrays
+      t0 = time.perf_counter()
+      head = delta.read_header(blob)
+      # Refuse a result that would not fit the model before writing anything.
+      weights_lib.validate({name: np.broadcast_to(np.zeros((), np.uint8), shape)
+                            for name, _, shape, _ in head["tensors"]}, self.model_config)
+      held, digest, chunk_elems = getattr(self, "_delta_held", (None, None, None))
+      if held is not self._flat:  # served weights from elsewhere: take our own copy, once
+        held = {k: np.array(v, order="C", copy=True) for k, v in self._flat.items()}
+        digest = None
+      if digest is None or chunk_elems != head["chunk_elems"]:
+        chunk_elems = head["chunk_elems"]
+        digest = sync_weights.digest(held, chunk_elems)
+      self._delta_held = (held, digest, chunk_elems)
+      new_flat, stats = delta.apply_inplace(held, blob, expect_parent=digest)
+      decoded = time.perf_counter() - t0
+      try:
+        prepared = self.prepare_weights(new_flat)
+        # The packed weights must not share memory with the arrays the next delta writes
+        # (jax copies host arrays once they are ready, but may alias them on some backends).
+        spans = [(a.__array_interface__["data"][0], a.nbytes, k) for k, a in held.items()]
+        for leaf in jax.tree.leaves(prepared.params):
+          try:
+            p0, p1 = leaf.unsafe_buffer_pointer(), leaf.unsafe_buffer_pointer() + leaf.nbytes
+          except (AttributeError, RuntimeError, ValueError):
+            continue  # not a single host-visible buffer
+          for a0, n, k in spans:
+            if a0 < p1 and p0 < a0 + n:
+              prepared.flat[k] = np.array(prepared.flat[k], copy=True)
+        out = self.swap_weights(prepared, version)
+      except BaseException:
+        self._delta_held = (None, None, None)  # until the reversal below is proven
+        delta.apply_inplace(held, blob, reverse=True)  # back to the served version
+        self._delta_held = (held, digest, chunk_elems)
+        raise
+      self._delta_held = (prepared.flat, stats.digest, chunk_elems)
     out["decode_s"] = decoded
     return out
 

@@ -225,6 +225,67 @@ def test_swap_rejects_bad_weights_and_applies_deltas(engine):
   engine.swap_weights(base, v0 + 2)
 
 
+def _ulp_steps(flat, frac, seed):
+  """`flat` with ~frac of the elements moved by one ulp up or down (a sampler-sized delta)."""
+  rng = np.random.default_rng(seed)
+  out = {}
+  for k, v in flat.items():
+    w = np.array(v, copy=True)
+    bits = w.reshape(-1).view(f"u{w.itemsize}")
+    idx = np.flatnonzero(rng.random(bits.size) < frac)
+    bits[idx] += np.where(rng.random(idx.size) < 0.5, 1, -1).astype(bits.dtype)
+    out[k] = w
+  return out
+
+
+def _same_flat(a, b):
+  return a.keys() == b.keys() and all(np.array_equal(np.asarray(a[k]), np.asarray(b[k]))
+                                      for k in a)
+
+
+def test_delta_swaps_write_in_place_refuse_stale_deltas_and_roll_back(engine, monkeypatch):
+  from sync import delta
+  base = engine.current_flat()
+  before = {k: np.array(v, copy=True) for k, v in base.items()}
+  v0 = engine.version
+  new1 = _ulp_steps(before, 0.04, 1)
+  new2 = _ulp_steps(new1, 0.04, 2)
+  new3 = _ulp_steps(new2, 0.04, 3)
+  assert engine.swap_delta(delta.encode(before, new1), v0 + 1)["version"] == v0 + 1
+  held1 = engine.current_flat()
+  assert _same_flat(held1, new1) and _same_flat(base, before)  # the caller's arrays: unwritten
+  engine.swap_delta(delta.encode(new1, new2), v0 + 2)
+  held2 = engine.current_flat()
+  assert all(held2[k] is held1[k] for k in held1)  # the same buffers, updated in place
+  assert _same_flat(held2, new2)
+  # A delta for another parent (here the version before) is refused; nothing changes.
+  with pytest.raises(delta.DeltaError, match="expected version"):
+    engine.swap_delta(delta.encode(new1, new3), v0 + 3)
+  # A delta whose result would not fit the model: refused before anything is written.
+  with pytest.raises(ValueError, match="missing"):
+    engine.swap_delta(delta.encode(new2, {k: v for k, v in new3.items() if k != "embed"}),
+                      v0 + 3)
+  assert engine.version == v0 + 2 and _same_flat(engine.current_flat(), new2)
+  # A swap that fails after the apply: the delta is reversed, the held version stays usable.
+  blob3 = delta.encode(new2, new3)
+
+  def failing_swap(*a, **kw):
+    raise RuntimeError("swap failed")
+  monkeypatch.setattr(engine, "swap_weights", failing_swap)
+  with pytest.raises(RuntimeError, match="swap failed"):
+    engine.swap_delta(blob3, v0 + 3)
+  monkeypatch.undo()
+  assert engine.version == v0 + 2 and _same_flat(engine.current_flat(), new2)
+  engine.swap_delta(blob3, v0 + 3)
+  assert _same_flat(engine.current_flat(), new3)
+  assert engine.generate(PROMPTS[1], max_tokens=2)[0].policy_versions == [v0 + 3] * 2
+  # A full swap replaces the held arrays: the next delta starts from a copy of those.
+  engine.swap_weights(before, v0 + 4)
+  engine.swap_delta(delta.encode(before, new1), v0 + 5)
+  assert _same_flat(engine.current_flat(), new1) and _same_flat(base, before)
+  engine.swap_weights(before, v0 + 6)
+
+
 def test_a_failing_device_call_fails_its_requests_and_the_engine_recovers(engine, monkeypatch):
   from rollout import kernels
   real = kernels.decode_chunk
