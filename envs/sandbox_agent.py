@@ -26,8 +26,6 @@ import gc
 import json
 import marshal
 import os
-import pkgutil  # pylint: disable=unused-import; runpy.run_module imports it lazily (ms).
-import runpy  # pylint: disable=unused-import; imported up front so commands do not pay (~10 ms).
 import select
 import signal
 import stat

@@ -26,7 +26,7 @@ import importlib.machinery
 import marshal
 import os
 import resource
-import runpy
+import runpy  # Here, in the zygote, so `python3 -m` commands do not pay for it.
 import signal
 import sys
 import traceback
