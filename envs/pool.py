@@ -34,14 +34,16 @@ class WarmPool:
       documented weaker mode instead of raising `SandboxUnavailable`. Every result then carries
       a "degraded_isolation" violation and an `isolation` string starting with "DEGRADED".
     force_degraded: use the weaker mode even where isolation is available (for tests).
-    spawn_threads: concurrent starts (starting is mostly CPU bound).
+    spawn_threads: concurrent starts. A start is partly waiting (process start-up, namespace
+      set-up in the kernel, the ready handshake), so more starts than cores in flight help: on
+      2 cores, 4 gave ~1.4x the burst throughput of 2.
     root: where slot directories live (default: a fresh temporary directory).
     refill_delay_s: how long a replacement waits after the last acquire while idle slots remain
       (0: start replacements at once).
   """
 
   def __init__(self, size: int = 4, *, max_live: int | None = None, allow_degraded: bool = False,
-               force_degraded: bool = False, spawn_threads: int = 2, root: str | None = None,
+               force_degraded: bool = False, spawn_threads: int = 4, root: str | None = None,
                refill_delay_s: float = 0.03):
     if refill_delay_s < 0:
       raise ValueError(f"refill_delay_s must be >= 0, got {refill_delay_s}")
