@@ -317,7 +317,7 @@ class Zygote:
     self._pgids.add(pid)
     bufs = {out_r: bytearray(), err_r: bytearray(), aud_r: bytearray(), status_r: bytearray()}
     dropped = {out_r: 0, err_r: 0, aud_r: 0, status_r: 0}
-    caps = {out_r: cap, err_r: cap, aud_r: 65536, status_r: 16}
+    caps = {out_r: cap, err_r: cap, aud_r: 65536, status_r: 4096}
     open_fds = {out_r, err_r, aud_r, status_r}
     status = None
     reported = None  # The exit code the command reported, once it is known to be exiting.
@@ -420,11 +420,15 @@ class Zygote:
     reports the real exit), and one followed at once by a different exit says no more than
     os._exit could have.
     """
-    try:
-      code = int(report)
-    except ValueError:
-      return None
-    if not 0 <= code <= 255:
+    code = None
+    for line in report.splitlines():
+      try:
+        who, what = (int(x) for x in line.split())
+      except ValueError:
+        continue
+      if who == pid and 0 <= what <= 255:
+        code = what
+    if code is None:
       return None
     for i in range(20):
       state = _task_state(pid)

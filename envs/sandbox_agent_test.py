@@ -130,6 +130,13 @@ def test_exit_report_is_only_trusted_from_an_exiting_process(pool):
   assert r.stdout == "closed\n", r
 
 
+def test_forked_child_returning_does_not_decide_the_exit_code(pool):
+  code = ("import os, sys\npid = os.fork()\nif pid == 0:\n  sys.exit(3)\n"
+          "os.waitpid(pid, 0)\nprint('parent')")
+  r = sandbox.run({"m.py": code}, ["python3", "m.py"], pool=pool)
+  assert (r.exit_code, r.stdout, r.violations) == (0, "parent\n", []), r
+
+
 def test_many_commands_in_one_sandbox_stay_fast_and_clean(pool):
   with sandbox.Sandbox({"m.py": "import sys\nprint(sys.argv[1])"}, pool=pool) as sb:
     for i in range(30):
