@@ -328,6 +328,63 @@ if HAVE_NUMBA:
     return bad != _ZERO
 
 
+if HAVE_NUMBA:
+
+  @numba.njit(nogil=True, cache=False)
+  def _exceptions_nb(buf, e0, nexc, isz, limit, packed):
+    """Decodes and checks an exception list (see `_exceptions`) in one compiled pass."""
+    pos = np.empty(nexc, np.int64)
+    vals = np.empty(nexc, np.uint64)
+    mask = ~_ZERO if isz == 8 else (_ONE << np.uint64(8 * isz)) - _ONE
+    v0 = e0 + 3 * nexc
+    last = np.int64(-1)
+    for i in range(nexc):
+      p = (np.int64(buf[e0 + i]) | (np.int64(buf[e0 + nexc + i]) << 8) |
+           (np.int64(buf[e0 + 2 * nexc + i]) << 16))
+      z = _ZERO
+      for b in range(isz):
+        z |= np.uint64(buf[v0 + b * nexc + i]) << np.uint64(8 * b)
+      v = ((z >> _ONE) ^ (_ZERO - (z & _ONE))) & mask
+      if p <= last or p >= limit or v == _ZERO:
+        return False, pos, vals
+      if packed.size and (packed[p >> 2] >> (2 * (p & 3))) & 3:
+        return False, pos, vals
+      pos[i] = p
+      vals[i] = v
+      last = p
+    return True, pos, vals
+
+  @numba.njit(nogil=True, cache=False)
+  def _scatter_nb(out, pos, vals, undo):
+    for i in range(pos.size):
+      if undo:
+        out[pos[i]] -= vals[i]
+      else:
+        out[pos[i]] += vals[i]
+
+_NO_PACKED = np.zeros(0, np.uint8)
+
+
+def _exceptions(buf, e0: int, nexc: int, itemsize: int, limit: int, packed, use_numba: bool):
+  """An exception list: `nexc` indices (3 byte planes) then zig-zag differences (`itemsize`
+  planes) from `buf[e0:]`, as (int64 indices, uint64 differences), or None if the indices are
+  not increasing or reach `limit`, a difference is 0, or (dense) an index's symbol is not 0."""
+  if not nexc:
+    return _NO_EXC_IDX, _NO_EXC_VAL
+  if use_numba:
+    ok, pos, vals = _exceptions_nb(buf, e0, nexc, itemsize, limit, packed)
+    return (pos, vals) if ok else None
+  pos = _planes_to_u64(buf[e0:e0 + 3 * nexc], nexc, 3).astype(np.int64)
+  z = _planes_to_u64(buf[e0 + 3 * nexc:e0 + (3 + itemsize) * nexc], nexc, itemsize)
+  mask = ~_ZERO if itemsize == 8 else np.uint64((1 << (8 * itemsize)) - 1)
+  vals = ((z >> _ONE) ^ (_ZERO - (z & _ONE))) & mask  # un-zig-zag, as `itemsize` words
+  if pos[-1] >= limit or np.any(np.diff(pos) <= 0) or not np.all(vals):
+    return None
+  if packed.size and np.any((packed[pos >> 2] >> (2 * (pos & 3)).astype(np.uint8)) & 3):
+    return None
+  return pos, vals
+
+
 def _planes_to_u64(buf: np.ndarray, count: int, nplanes: int) -> np.ndarray:
   """`count` little-endian integers stored as `nplanes` byte planes, as uint64."""
   out = np.zeros(count, np.uint64)
@@ -336,7 +393,7 @@ def _planes_to_u64(buf: np.ndarray, count: int, nplanes: int) -> np.ndarray:
   return out
 
 
-def parse_unit(buf: np.ndarray, n: int, itemsize: int):
+def parse_unit(buf: np.ndarray, n: int, itemsize: int, use_numba: bool = False):
   """Checks a SPARSE_UNIT body's layout and decodes its exceptions.
 
   Returns:
@@ -351,16 +408,9 @@ def parse_unit(buf: np.ndarray, n: int, itemsize: int):
   if not (0 < nnz <= n and nexc <= nnz and 1 <= cb <= 4 and
           len(buf) == _UNIT_HEAD_SIZE + nnz * cb + nexc * (3 + itemsize)):
     return None
-  if not nexc:
-    return nnz, cb, _NO_EXC_IDX, _NO_EXC_VAL
-  e0 = _UNIT_HEAD_SIZE + nnz * cb
-  idx = _planes_to_u64(buf[e0:e0 + 3 * nexc], nexc, 3).astype(np.int64)
-  z = _planes_to_u64(buf[e0 + 3 * nexc:], nexc, itemsize)
-  mask = ~_ZERO if itemsize == 8 else np.uint64((1 << (8 * itemsize)) - 1)
-  vals = ((z >> _ONE) ^ (_ZERO - (z & _ONE))) & mask  # un-zig-zag, as `itemsize` words
-  if idx[-1] >= nnz or np.any(np.diff(idx) <= 0) or not np.all(vals):
-    return None
-  return nnz, cb, idx, vals
+  exc = _exceptions(buf, _UNIT_HEAD_SIZE + nnz * cb, nexc, itemsize, nnz, _NO_PACKED,
+                    use_numba)
+  return None if exc is None else (nnz, cb, *exc)
 
 
 def _unit_apply_np(buf, nnz, cb, idx, vals, out, undo, want_hash):
@@ -393,14 +443,14 @@ def unit_apply(raw, out: np.ndarray, undo: bool = False, want_hash: bool = True,
     `parse_unit`, or a position outside `out`); then `out` is unchanged.
   """
   buf = np.frombuffer(raw, np.uint8)
-  parsed = parse_unit(buf, out.size, out.itemsize)
-  if parsed is None:
-    return None
-  nnz, cb, idx, vals = parsed
   if use_numba is None:
     use_numba = HAVE_NUMBA
   if use_numba and not HAVE_NUMBA:
     raise RuntimeError("numba is not installed")
+  parsed = parse_unit(buf, out.size, out.itemsize, use_numba)
+  if parsed is None:
+    return None
+  nnz, cb, idx, vals = parsed
   if not use_numba:
     status, h = _unit_apply_np(buf, nnz, cb, idx, vals, out, undo, want_hash)
     return None if status < 0 else int(h)
@@ -444,12 +494,12 @@ def sparse_apply(raw, out: np.ndarray, undo: bool = False, use_numba: bool | Non
   return int(h)
 
 
-def parse_dense_unit(buf: np.ndarray, n: int, itemsize: int):
+def parse_dense_unit(buf: np.ndarray, n: int, itemsize: int, use_numba: bool = False):
   """Checks a DENSE_UNIT body's layout and decodes its exceptions.
 
   Returns:
-    (packed symbols (uint8), exception positions (intp), exception differences (`itemsize`
-    unsigned words)), or None if malformed: wrong element count or length, padding symbols
+    (packed symbols (uint8), exception positions (int64), exception differences (uint64)),
+    or None if malformed: wrong element count or length, padding symbols
     set, exception positions not increasing or outside the chunk, an exception whose symbol is
     not 0, or one that changes nothing. (Symbol 3 is caught while applying.)
   """
@@ -463,19 +513,8 @@ def parse_dense_unit(buf: np.ndarray, n: int, itemsize: int):
   packed = buf[h:h + nbytes]
   if n % 4 and packed[-1] >> (2 * (n % 4)):
     return None
-  udt = np.dtype(f"u{itemsize}")
-  if not nexc:
-    return packed, _NO_EXC_IDX, np.zeros(0, udt)
-  e0 = h + nbytes
-  pos = _planes_to_u64(buf[e0:e0 + 3 * nexc], nexc, 3).astype(np.intp)
-  z = _planes_to_u64(buf[e0 + 3 * nexc:], nexc, itemsize)
-  vals = (((z >> _ONE) ^ (_ZERO - (z & _ONE))) & (
-      ~_ZERO if itemsize == 8 else np.uint64((1 << (8 * itemsize)) - 1))).astype(udt)
-  if pos[-1] >= n or np.any(np.diff(pos) <= 0) or not np.all(vals):
-    return None
-  if np.any((packed[pos >> 2] >> (2 * (pos & 3)).astype(np.uint8)) & 3):
-    return None
-  return packed, pos, vals
+  exc = _exceptions(buf, h + nbytes, nexc, itemsize, n, packed, use_numba)
+  return None if exc is None else (packed, *exc)
 
 
 def _dense_np(packed: np.ndarray, out: np.ndarray, undo: bool) -> bool:
@@ -502,14 +541,14 @@ def dense_unit_apply(raw, out: np.ndarray, undo: bool = False,
     True, or False if the body is malformed (see `parse_dense_unit`; or a symbol 3); then
     `out` is unchanged.
   """
-  parsed = parse_dense_unit(np.frombuffer(raw, np.uint8), out.size, out.itemsize)
-  if parsed is None:
-    return False
-  packed, pos, vals = parsed
   if use_numba is None:
     use_numba = HAVE_NUMBA
   if use_numba and not HAVE_NUMBA:
     raise RuntimeError("numba is not installed")
+  parsed = parse_dense_unit(np.frombuffer(raw, np.uint8), out.size, out.itemsize, use_numba)
+  if parsed is None:
+    return False
+  packed, pos, vals = parsed
 
   def run(back):
     if not use_numba:
@@ -525,11 +564,11 @@ def dense_unit_apply(raw, out: np.ndarray, undo: bool = False,
   if run(undo):
     run(not undo)  # exact inverse: symbol 3 adds -1 both ways
     return False
-  if len(pos):
-    if undo:
-      out[pos] -= vals
+  if len(pos):  # positions are distinct
+    if use_numba:
+      _scatter_nb(out, pos, vals, undo)
     else:
-      out[pos] += vals  # positions are distinct
+      (np.subtract if undo else np.add).at(out, pos, vals.astype(out.dtype))
   return True
 
 
@@ -540,5 +579,10 @@ def warm_up() -> None:
     for dt in (np.uint16, np.uint32):
       sparse_apply(body[:_HEAD.size + 3 + np.dtype(dt).itemsize], np.zeros(1, dt))
       sparse_apply(body[:_HEAD.size + 3 + np.dtype(dt).itemsize], np.zeros(1, dt), undo=True)
-      unit_apply(UNIT_HEAD.pack(1, 0, 1) + bytes(1), np.zeros(1, dt))
-      dense_unit_apply(DENSE_UNIT_HEAD.pack(5, 0) + bytes(2), np.zeros(5, dt))
+      isz = np.dtype(dt).itemsize
+      four = bytes([4]) + bytes(isz - 1)  # one exception: a step of +2 (zig-zag 4)
+      for nexc in (0, 1):
+        unit_apply(UNIT_HEAD.pack(1, nexc, 1) + bytes(1) + (bytes(3) + four) * nexc,
+                   np.zeros(1, dt))
+        dense_unit_apply(DENSE_UNIT_HEAD.pack(5, nexc) + bytes(2) + (bytes(3) + four) * nexc,
+                         np.zeros(5, dt))
