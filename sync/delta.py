@@ -76,11 +76,10 @@ FORMAT = 3  # 2: records carry the changes hash; 3: adds SPARSE_UNIT and DENSE_U
 _KINDS = {2: frozenset((codec.SAME, codec.SPARSE, codec.DENSE, codec.RAW)),
           3: frozenset(codec.KIND_NAMES)}
 # With check="changes", a sparse chunk with more than this fraction of its elements changed is
-# checked by xxh3 of the rebuilt chunk instead. Per 128 MB of bf16 on one core, mixing every
-# change cost ~1.1 ms at 4% changed and ~20 ms at 25% (the kernel is memory-bound at 4%, so
-# the mixing partly hides), xxh3 of every just-written chunk ~2.5 ms: the break-even is near
-# 6-8%, and the xxh3 check proves more.
-_CHANGES_HASH_LIMIT = 1 / 16
+# checked by xxh3 of the rebuilt chunk instead. Per 128 MB of bf16 on one core the changes hash
+# (vectorized, see `kernels`) cost ~1.5 ms at 4% changed (~0.55 ns per change), xxh3 of the
+# whole model ~3.7 ms (~0.06 ns per element): the break-even is near 10%, and xxh3 proves more.
+_CHANGES_HASH_LIMIT = 1 / 8
 _LEN = struct.Struct("<I")
 _REC = struct.Struct("<IIB3xQQQQQ")
 _CHECK = struct.Struct("<I")
@@ -134,18 +133,35 @@ def _ordered(pool, fn, items, window):
 
 
 def _map_all(pool, fn, items, w):
-  """fn over every item in `w` strided batches, results in order.
+  """fn over every item with `w` threads (the caller's among them), results in order.
 
   One hand-off per worker rather than per chunk: on a loaded machine every thread wake-up can
   wait for a scheduler slice, which cost ~20% of an in-place apply when tasks were chunks.
+  Items are taken from a shared counter rather than split in advance, so when another process
+  holds one core the thread that runs does the rest instead of waiting for its slower half.
   """
   items = list(items)
   if pool is None or w <= 1 or len(items) <= 1:
     return [fn(x) for x in items]
-  parts = list(pool.map(lambda i: [fn(x) for x in items[i::w]], range(w)))
   out = [None] * len(items)
-  for i, part in enumerate(parts):
-    out[i::w] = part
+  nxt = iter(range(len(items)))
+  lock = threading.Lock()
+
+  def run():
+    while True:
+      with lock:
+        i = next(nxt, None)
+      if i is None:
+        return
+      out[i] = fn(items[i])
+
+  helpers = [pool.submit(run) for _ in range(min(w, len(items)) - 1)]
+  try:
+    run()
+  finally:
+    concurrent.futures.wait(helpers)  # nothing may still write when this returns or raises
+  for f in helpers:
+    f.result()
   return out
 
 

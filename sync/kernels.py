@@ -197,7 +197,13 @@ def _make_kernel(isz: int):
 
 
 def _make_unit_kernel(isz: int):
-  """The numba SPARSE_UNIT kernel for words of `isz` bytes (see `_make_kernel` for the loops)."""
+  """The numba SPARSE_UNIT kernel for words of `isz` bytes (see `_make_kernel` for the loops).
+
+  The changes hash is not mixed change by change: the loops store each change's key in an
+  L1-resident block and a separate loop mixes and sums the block, which LLVM vectorizes
+  (AVX-512 64-bit multiplies here): per 128 MB at 4% changed the hash went from ~3.5 ms to
+  ~0.6 ms.
+  """
   mask = ~_ZERO if isz == 8 else np.uint64((1 << (8 * isz)) - 1)
   small = isz <= 2
 
@@ -206,6 +212,26 @@ def _make_unit_kernel(isz: int):
     x = (x ^ (x >> _S30)) * _M1
     x = (x ^ (x >> _S27)) * _M2
     return x ^ (x >> _S31)
+
+  @numba.njit(nogil=True, cache=False)
+  def block_hash(ka, kb, m):
+    """The changes hash of one block: ka = key (small words) or pos * C + old, kb = new."""
+    acc = _ZERO
+    if small:
+      for j in range(m):
+        acc += mix(ka[j])
+    else:
+      for j in range(m):
+        acc += mix(mix(ka[j]) ^ kb[j])
+    return acc
+
+  @numba.njit(nogil=True, cache=False, inline="always")
+  def keep(ka, kb, j, p, old, new):
+    if small:
+      ka[j] = np.uint64(p) | (old << _S24) | (new << _S40)
+    else:
+      ka[j] = np.uint64(p) * _C + old
+      kb[j] = new
 
   @numba.njit(nogil=True, cache=False)
   def kernel(raw, nnz, cb, exc_idx, exc_val, count, out, undo, want_hash):
@@ -218,7 +244,10 @@ def _make_unit_kernel(isz: int):
     nxt = exc_idx[0] if ne > 0 else np.int64(nnz)
     p = np.int64(-1)
     acc = _ZERO
+    ka = np.empty(_BLOCK, np.uint64)
+    kb = np.empty(_BLOCK if not small else 1, np.uint64)
     if nnz * 64 >= n * isz:  # dense enough for one pass (see `_make_kernel`)
+      j = 0
       for i in range(count):
         # The code's byte planes, written out here: a helper function (even numba-inlined)
         # made this loop 4x slower.
@@ -242,10 +271,13 @@ def _make_unit_kernel(isz: int):
         new = ((old - d) if undo else (old + d)) & mask
         out[p] = new
         if want_hash:
-          if small:
-            acc += mix(np.uint64(p) | (old << _S24) | (new << _S40))
-          else:
-            acc += mix(mix(np.uint64(p) * _C + old) ^ new)
+          keep(ka, kb, j, p, old, new)
+          j += 1
+          if j == _BLOCK:
+            acc += block_hash(ka, kb, j)
+            j = 0
+      if want_hash:
+        acc += block_hash(ka, kb, j)
       return -1, acc
     pos = np.empty(_BLOCK, np.int64)
     olds = np.empty(_BLOCK, np.uint64)
@@ -278,10 +310,9 @@ def _make_unit_kernel(isz: int):
         new = ((old - d) if undo else (old + d)) & mask
         out[pos[j]] = new
         if want_hash:
-          if small:
-            acc += mix(np.uint64(pos[j]) | (old << _S24) | (new << _S40))
-          else:
-            acc += mix(mix(np.uint64(pos[j]) * _C + old) ^ new)
+          keep(ka, kb, j, pos[j], old, new)
+      if want_hash:
+        acc += block_hash(ka, kb, m)
     return -1, acc
 
   return kernel
