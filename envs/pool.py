@@ -5,9 +5,11 @@ work each, done off the critical path). `acquire` hands one out; `release` destr
 replacement is started in the background. While idle slots remain, the replacement waits
 `refill_delay_s` after the last acquire: starting a sandbox is ~20 ms of CPU, and on a small host
 it would otherwise compete with the first command of the episode just handed out (measured: p50
-start latency ~2x on 2 cores). With no idle slot left it starts at once, so bursts do not wait. `max_live` caps idle plus in-use slots, so a burst of a
-thousand queued episodes waits for slots instead of starting a thousand sandboxes at once: memory
-stays bounded at roughly `max_live` times the per-sandbox footprint.
+start latency ~2x on 2 cores). With no idle slot left it starts at once, so bursts do not wait.
+
+`max_live` caps idle plus in-use slots, so a burst of a thousand queued episodes waits for slots
+instead of starting a thousand sandboxes at once: memory stays bounded at roughly `max_live`
+times the per-sandbox footprint.
 """
 
 from __future__ import annotations
