@@ -108,19 +108,30 @@ class _Spare:
 
 
 def _task_state(pid):
-  """"exiting" once the kernel is tearing pid down (it can never run user code again),
-  "zombie" once it has exited, "running" before, "unknown" if /proc cannot say."""
+  """"exiting" once the kernel is tearing every thread of pid down (none can run user code
+  again), "zombie" once it has exited, "running" before, "unknown" if /proc cannot say."""
+  states = set()
   try:
-    fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
-    try:
-      fields = os.read(fd, 4096).rsplit(b")", 1)[1].split()
-    finally:
-      os.close(fd)
-    if fields[0] in (b"Z", b"X"):
-      return "zombie"
-    return "exiting" if int(fields[6]) & _PF_EXITING else "running"
+    for tid in os.listdir(f"/proc/{pid}/task"):
+      try:
+        fd = os.open(f"/proc/{pid}/task/{tid}/stat", os.O_RDONLY)
+      except FileNotFoundError:
+        continue  # That thread has finished exiting since the listing.
+      try:
+        fields = os.read(fd, 4096).rsplit(b")", 1)[1].split()
+      finally:
+        os.close(fd)
+      if fields[0] in (b"Z", b"X"):
+        states.add("zombie")
+      else:
+        states.add("exiting" if int(fields[6]) & _PF_EXITING else "running")
   except (OSError, IndexError, ValueError):
     return "unknown"
+  if not states:
+    return "unknown"
+  if "running" in states:
+    return "running"
+  return "exiting" if "exiting" in states else "zombie"
 
 
 class Zygote:
