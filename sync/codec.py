@@ -60,6 +60,7 @@ import numpy as np
 import zstandard
 
 from sync import kernels
+from sync import unit_kernels
 
 SAME = 0  # Chunk unchanged: empty payload.
 SPARSE = 1  # Gap byte planes + zig-zag value byte planes.
@@ -83,11 +84,11 @@ MAX_CHUNK_ELEMS = 1 << 24
 _SPARSE_HEAD = struct.Struct("<I")  # number of changed elements
 # SPARSE_UNIT: changed elements, exceptions, bytes per code; then the code planes, the gaps
 # between the exceptions' change indices (3 byte planes), their zig-zag differences (planes).
-_UNIT_HEAD = kernels.UNIT_HEAD
+_UNIT_HEAD = unit_kernels.UNIT_HEAD
 _MAX_EXCEPTIONS = 1 / 4  # of the changes, for SPARSE_UNIT and DENSE_UNIT
 # DENSE_UNIT: elements, exceptions; then the packed symbols (ceil(n / 4) bytes), the gaps
 # between the exceptions' positions (3 byte planes), their zig-zag differences (planes).
-_DENSE_UNIT_HEAD = kernels.DENSE_UNIT_HEAD
+_DENSE_UNIT_HEAD = unit_kernels.DENSE_UNIT_HEAD
 _DENSE_UNIT_FROM = 0.2  # sampled changed fraction from which DENSE_UNIT is tried first
 
 
@@ -274,7 +275,7 @@ def apply_chunk(kind: int, payload, out: np.ndarray, dctx: zstandard.ZstdDecompr
   """
   if kind == DENSE_UNIT:
     raw = _decompress(kind, payload, out.size, out.itemsize, dctx)
-    if not kernels.dense_unit_apply(raw, out, undo):
+    if not unit_kernels.dense_unit_apply(raw, out, undo):
       raise CodecError("DENSE_UNIT payload has the wrong length or layout")
     return None
   if kind not in SPARSE_KINDS:
@@ -288,7 +289,7 @@ def apply_chunk(kind: int, payload, out: np.ndarray, dctx: zstandard.ZstdDecompr
   if kind == SPARSE:
     h = kernels.sparse_apply(raw, out, undo)
   else:
-    h = kernels.unit_apply(raw, out, undo, want_hash=want)
+    h = unit_kernels.unit_apply(raw, out, undo, want_hash=want)
   if h is None:
     raise CodecError(f"{KIND_NAMES[kind].upper()} payload has the wrong length or layout, or "
                      "a position outside the chunk")
@@ -312,7 +313,7 @@ def decode_changes(kind: int, payload, n: int, dtype, dctx: zstandard.ZstdDecomp
     return None
   if kind == DENSE_UNIT:
     diff = np.zeros(n, dtype)
-    if not kernels.dense_unit_apply(raw, diff, use_numba=False):
+    if not unit_kernels.dense_unit_apply(raw, diff, use_numba=False):
       raise CodecError("DENSE_UNIT payload has the wrong length or layout")
     return diff
   if kind in (RAW, DENSE):
@@ -321,11 +322,11 @@ def decode_changes(kind: int, payload, n: int, dtype, dctx: zstandard.ZstdDecomp
     words = _unplanes(raw, dtype, n)
     return words if kind == RAW else _unzigzag(words)
   if kind == SPARSE_UNIT:
-    parsed = kernels.parse_unit(np.frombuffer(raw, np.uint8), n, itemsize)
+    parsed = unit_kernels.parse_unit(np.frombuffer(raw, np.uint8), n, itemsize)
     if parsed is None:
       raise CodecError("SPARSE_UNIT payload has the wrong length or layout")
     nnz, cb, idx, vals = parsed
-    c = kernels._planes_to_u64(  # pylint: disable=protected-access
+    c = unit_kernels._planes_to_u64(  # pylint: disable=protected-access
         np.frombuffer(raw, np.uint8, nnz * cb, _UNIT_HEAD.size), nnz, cb)
     pos = np.cumsum((c >> np.uint64(1)).astype(np.intp) + 1) - 1
     if pos[-1] >= n:

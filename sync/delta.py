@@ -57,16 +57,14 @@ import contextlib
 import dataclasses
 import io
 import json
-import os
 import struct
-import threading
 import time
 
 import numpy as np
 import xxhash
-import zstandard
 
 from sync import codec
+from sync import parallel
 from sync import weights
 
 MAGIC = b"SYNCDLT1"
@@ -106,63 +104,6 @@ class Stats:
   @property
   def ratio(self) -> float:
     return self.raw_bytes / max(1, self.blob_bytes)
-
-
-def _workers(workers):
-  return workers or min(8, os.cpu_count() or 1)
-
-
-class _Local(threading.local):
-
-  def __init__(self, level):
-    super().__init__()
-    self.cctx = zstandard.ZstdCompressor(level=level, write_checksum=True,
-                                         write_content_size=True)
-    self.dctx = zstandard.ZstdDecompressor()
-
-
-def _ordered(pool, fn, items, window):
-  """pool.map with at most `window` tasks in flight (bounded memory), results in order."""
-  pending = []
-  for item in items:
-    pending.append(pool.submit(fn, item))
-    if len(pending) >= window:
-      yield pending.pop(0).result()
-  for f in pending:
-    yield f.result()
-
-
-def _map_all(pool, fn, items, w):
-  """fn over every item with `w` threads (the caller's among them), results in order.
-
-  One hand-off per worker rather than per chunk: on a loaded machine every thread wake-up can
-  wait for a scheduler slice, which cost ~20% of an in-place apply when tasks were chunks.
-  Items are taken from a shared counter rather than split in advance, so when another process
-  holds one core the thread that runs does the rest instead of waiting for its slower half.
-  """
-  items = list(items)
-  if pool is None or w <= 1 or len(items) <= 1:
-    return [fn(x) for x in items]
-  out = [None] * len(items)
-  nxt = iter(range(len(items)))
-  lock = threading.Lock()
-
-  def run():
-    while True:
-      with lock:
-        i = next(nxt, None)
-      if i is None:
-        return
-      out[i] = fn(items[i])
-
-  helpers = [pool.submit(run) for _ in range(min(w, len(items)) - 1)]
-  try:
-    run()
-  finally:
-    concurrent.futures.wait(helpers)  # nothing may still write when this returns or raises
-  for f in helpers:
-    f.result()
-  return out
 
 
 def _header_bytes(tensors, chunk_elems) -> bytes:
@@ -207,7 +148,7 @@ def encode_to(sink, base: Mapping[str, np.ndarray], new: Mapping[str, np.ndarray
     stats.elements += arr.size
     for ci, (start, stop) in enumerate(weights.chunk_bounds(nw.size, chunk_elems)):
       jobs.append((ti, ci, None if bw is None else bw[start:stop], nw[start:stop]))
-  local = _Local(level)
+  local = parallel.Local(level)
 
   def work(job):
     ti, ci, b, n = job
@@ -221,10 +162,10 @@ def encode_to(sink, base: Mapping[str, np.ndarray], new: Mapping[str, np.ndarray
   dig = weights.Digester()
   last_ti = -1
   nrec = 0
-  w = _workers(workers)
+  w = parallel.workers(workers)
   with concurrent.futures.ThreadPoolExecutor(w) as pool:
     pdig = pool.submit(weights.digest, base, chunk_elems) if parent_digest is None else None
-    for ti, ci, kind, payload, nnz, bh, nh, ch in _ordered(pool, work, jobs, 2 * w):
+    for ti, ci, kind, payload, nnz, bh, nh, ch in parallel.ordered(pool, work, jobs, 2 * w):
       if ti != last_ti:
         dig.tensor(*tensors[ti][:3])
         last_ti = ti
@@ -412,7 +353,7 @@ def decode_stream(base: Mapping[str, np.ndarray], source, *, workers=None,
       expected.append((len(outs) - 1, ci))
     stats.raw_bytes += o.nbytes
     stats.elements += o.size
-  local = _Local(1)
+  local = parallel.Local(1)
   outw = [weights.words(o) for o in outs]
 
   def work(item):
@@ -436,10 +377,10 @@ def decode_stream(base: Mapping[str, np.ndarray], source, *, workers=None,
 
   dig = weights.Digester()
   last_ti = -1
-  w = _workers(workers)
+  w = parallel.workers(workers)
   with concurrent.futures.ThreadPoolExecutor(w) as pool:
     recs = _records(reader, expected, chunk_elems, [o.itemsize for o in outw], head["format"])
-    for ti, kind, nh in _ordered(pool, work, recs, 2 * w):
+    for ti, kind, nh in parallel.ordered(pool, work, recs, 2 * w):
       if ti != last_ti:
         dig.tensor(*tensors[ti][:3])
         last_ti = ti
@@ -563,13 +504,13 @@ def apply_inplace(base: Mapping[str, np.ndarray], source, *, workers=None,
     start = ci * chunk_elems
     return outw[ti][start:min(outw[ti].size, start + chunk_elems)]
 
-  local = _Local(1)
-  w = min(_workers(workers), len(recs))
+  local = parallel.Local(1)
+  w = min(parallel.workers(workers), len(recs))
   with (concurrent.futures.ThreadPoolExecutor(w) if w > 1 else contextlib.nullcontext()) as pool:
     if verify_base:
       def base_ok(rec):
         return raw_t[rec[0]] or weights.chunk_hash(view(rec)) == rec[4]
-      bad = [r for r, ok in zip(recs, _map_all(pool, base_ok, recs, w)) if not ok]
+      bad = [r for r, ok in zip(recs, parallel.map_all(pool, base_ok, recs, w)) if not ok]
       if bad:
         raise DeltaError(f"base does not match the delta's parent at tensor "
                          f"{tensors[bad[0][0]][0]!r} chunk {bad[0][1]}")
@@ -596,7 +537,7 @@ def apply_inplace(base: Mapping[str, np.ndarray], source, *, workers=None,
         return True, f"rebuilt chunk hash mismatch at tensor {tensors[ti][0]!r} chunk {ci}"
       return True, None
 
-    results = _map_all(pool, work, recs, w)
+    results = parallel.map_all(pool, work, recs, w)
     errors = [e for _, e in results if e]
     if errors:
       def undo(rec):
@@ -606,7 +547,7 @@ def apply_inplace(base: Mapping[str, np.ndarray], source, *, workers=None,
         o = view(rec)
         codec.apply_chunk(kind, payload, o, local.dctx, undo=not reverse, hash_limit=0.0)
         return weights.chunk_hash(o) == (nh if reverse else bh)
-      restored = _map_all(pool, undo, [r for r, (done, _) in zip(recs, results) if done], w)
+      restored = parallel.map_all(pool, undo, [r for r, (done, _) in zip(recs, results) if done], w)
       base_matches = all(restored)
       if not base_matches:
         held = "the delta's new version" if reverse else "the delta's parent"
