@@ -5,7 +5,8 @@ tensor chunk (the bit patterns of bf16/fp16/fp32 weights) into a compressed payl
 `decode_chunk` rebuilds `new` bit-exactly from `base` and that payload.
 
 Why this encoding. An RL step on the sampler's bf16 copy leaves ~95-99% of the weights
-bit-identical, and a weight that does change usually moves by one or two ulps. Two facts follow:
+bit-identical, and a weight that does change usually moves by one or two ulps. Three facts
+follow:
 
 * Positions carry most of the information. We store them as gaps (number of unchanged
   elements before each changed one). With a changed fraction p the gaps are roughly geometric,
@@ -18,7 +19,6 @@ bit-identical, and a weight that does change usually moves by one or two ulps. T
   smears a +1 carry over several low bits (x ^ (x+1) = 0b0111..1), costing ~2 bits of entropy
   where the zig-zag difference costs ~1. Zig-zag maps +-1 to 2/1, so the high byte planes are
   all zero and vanish under zstd.
-
 * Most changes are one step: +-1 in the integer bit pattern. The SPARSE_UNIT form folds that
   sign into the gap: one code (gap << 1) | sign per change (byte planes, as few as the largest
   code needs), plus an exception list (gaps between the indices of the other changes, their
@@ -32,20 +32,22 @@ bit-identical, and a weight that does change usually moves by one or two ulps. T
 For dense changes the position stream stops paying for itself. With mostly +-1 steps the
 encoder then uses DENSE_UNIT: a 2-bit symbol per element (same, +1, -1; four per byte, zstd)
 plus the exception list. From ~20% changed it is about as small as SPARSE_UNIT (1.6% larger at
-25%) and decodes in one streaming pass instead of one step per change (see `kernels`). For
-other steps it can also use a
-DENSE form (zig-zag difference of every element, byte-plane split, zstd). Measured on +-1 ulp
-updates, sparse stays smaller up to ~50% changed (0.76x of dense at 30%), and is also 3-10x
-cheaper to compress, so the encoder first estimates the changed fraction from a small sample
-(32 blocks of 512 elements) and only then does the work of one form: sparse below 40%, dense
-above 60%, both (keep the smaller) in between. A wrong estimate costs size, never correctness.
+25%) and decodes in one streaming pass instead of one step per change (see `unit_kernels`).
+For other steps it can also use a DENSE form (zig-zag difference of every element, byte-plane
+split, zstd). Measured on +-1 ulp updates (format 2), SPARSE stays smaller than DENSE up to
+~50% changed (0.76x at 30%), and is also 3-10x cheaper to compress, so the encoder first
+estimates the changed fraction from a small sample (32 blocks of 512 elements) and only then
+does the work of one form: below 20% sparse; from 20% DENSE_UNIT if the steps allow it; else
+sparse below 40%, dense above 60%, both (keep the smaller) in between. A wrong estimate costs
+size, never correctness.
 Chunks that are identical cost a few bytes (SAME). Tensors without a usable base are stored RAW
 (byte planes of the new bits, zstd).
 
 Decoding: `apply_chunk` adds a payload's changes into a chunk in place (or subtracts them
 again to undo: unsigned arithmetic wraps, so the subtraction is the exact inverse), with a cost
-proportional to the changed elements; SPARSE and SPARSE_UNIT chunks go through the fused
-kernels in `kernels` (numba when installed), which also return the chunk's *changes hash*. The encoder computes the
+proportional to the changed elements (DENSE_UNIT: one streaming pass); SPARSE, SPARSE_UNIT and
+DENSE_UNIT chunks go through the fused kernels in `kernels` and `unit_kernels` (numba when
+installed); the sparse ones also return the chunk's *changes hash*. The encoder computes the
 same hash over (position, old bits, new bits) of every changed element, so a caller that knows
 its chunk held the parent's bits can check the result without hashing the whole chunk.
 `decode_changes` / `apply_changes` are the plain numpy forms (DENSE and RAW use them).
