@@ -25,6 +25,7 @@ from __future__ import annotations
 import ast
 import os
 import re
+import threading
 from typing import Iterable, Mapping
 
 from envs import tasks as tasks_lib
@@ -58,10 +59,17 @@ def _dotted(node: ast.AST) -> tuple[str, str] | None:
   return None
 
 
+# CPython 3.11 keeps the AST converter's recursion depth in interpreter-wide state, so ast.parse
+# from several grading threads at once can fail with "SystemError: AST constructor recursion
+# depth mismatch" (python/cpython#106905). One parse at a time avoids it.
+_PARSE_LOCK = threading.Lock()
+
+
 def exit_path_findings(source: str) -> list[str]:
   """What in `source` patches the exit path or snoops on the test runner."""
   try:
-    tree = ast.parse(source)
+    with _PARSE_LOCK:
+      tree = ast.parse(source)
   except (SyntaxError, ValueError):
     return []
   found = []
