@@ -77,16 +77,16 @@ def test_all_run_files_compose_into_an_experiment():
 def test_default_experiment_values_and_command_line_overrides():
   cfg = configs.load_experiment([DEFAULT], num_devices=1)
   assert (cfg.pretrain.steps, cfg.pretrain.batch_rows, cfg.pretrain.seq_len) == (400, 32, 128)
-  assert cfg.pretrain.learning_rate == 3e-3
+  assert (cfg.pretrain.learning_rate, cfg.pretrain.corpus_repeats) == (3e-3, 1)
   p = cfg.rl.pipeline
-  assert (cfg.rl.steps, cfg.rl.learning_rate) == (60, 1e-4)
+  assert (cfg.rl.steps, cfg.rl.learning_rate) == (100, 1e-4)
   assert (p.max_staleness, p.prompts_per_step, p.attempts, p.max_new_tokens, p.seq_len,
           p.batch_rows) == (2, 8, 8, 40, 256, 32)
   assert (cfg.eval.samples, cfg.eval.temperature, cfg.eval.max_tokens) == (8, 1.0, 48)
   # The main entry point passes `--gin.X=V` as "X=V" (no spaces).
-  over = configs.load_experiment([DEFAULT], ["RLConfig.steps=100", "PipelineConfig.attempts=4"],
+  over = configs.load_experiment([DEFAULT], ["RLConfig.steps=150", "PipelineConfig.attempts=4"],
                                  num_devices=1)
-  assert (over.rl.steps, over.rl.pipeline.attempts) == (100, 4)
+  assert (over.rl.steps, over.rl.pipeline.attempts) == (150, 4)
 
 
 def test_phases_without_a_run_file_are_skipped():
