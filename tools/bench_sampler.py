@@ -21,6 +21,7 @@ What it measures, all in one run on the same weights and prompts:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -170,9 +171,20 @@ def swap_row(label: str, flat: dict, cfg: ModelConfig, ec: EngineConfig, prompt_
   new_flat = {k: (v * np.asarray(1.01, v.dtype)).astype(v.dtype) if i % 2 == 0 else v
               for i, (k, v) in enumerate(flat.items())}
   prepared = eng.prepare_weights(new_flat)  # off the serving path (decoding may continue)
-  started = threading.Event()
-  hs = eng.submit_batch(prompts, params, on_tokens=lambda h, i, t, l, r: started.set())
+  # The swap must land mid-request: the batch runs at least 6 decode calls (when the context
+  # allows), and the engine thread holds at its first token until the swap call is under way.
+  swap_tokens = max(new_tokens, min(ec.max_len - prompt_len, 6 * ec.decode_steps))
+  started, go = threading.Event(), threading.Event()
+
+  def on_first_tokens(h, i, t, l, r):
+    if not started.is_set():
+      started.set()
+      go.wait(10.0)
+
+  hs = eng.submit_batch(prompts, dataclasses.replace(params, max_tokens=swap_tokens),
+                        on_tokens=on_first_tokens)
   started.wait()
+  go.set()
   res = eng.swap_weights(prepared, 1)
   comps = [h.result()[0] for h in hs]
   vers = comps[0].policy_versions
