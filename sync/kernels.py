@@ -54,6 +54,16 @@ except ImportError:
 
 HAVE_NUMBA = numba is not None
 
+if HAVE_NUMBA:
+
+  @numba.njit(nogil=True, cache=False, inline="always")
+  def mix_nb(x):
+    """The splitmix64 finaliser on one uint64 (`_mix_np` element-wise) for the kernels here
+    and in `sync.unit_kernels`."""
+    x = (x ^ (x >> _S30)) * _M1
+    x = (x ^ (x >> _S27)) * _M2
+    return x ^ (x >> _S31)
+
 
 def _mix_np(x: np.ndarray) -> np.ndarray:
   x = (x ^ (x >> _S30)) * _M1
@@ -103,11 +113,7 @@ def _make_kernel(isz: int):
   small = isz <= 2
   planes = tuple(range(isz))
 
-  @numba.njit(nogil=True, cache=False, inline="always")
-  def mix(x):
-    x = (x ^ (x >> _S30)) * _M1
-    x = (x ^ (x >> _S27)) * _M2
-    return x ^ (x >> _S31)
+  mix = mix_nb
 
   @numba.njit(nogil=True, cache=False)
   def kernel(raw, nnz, count, out, undo):

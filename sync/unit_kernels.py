@@ -35,8 +35,8 @@ numba = kernels.numba
 changes_hash = kernels.changes_hash
 # Shared with `kernels` (the same hash, block size and loop choice).
 # pylint: disable=protected-access
-_C, _M1, _M2 = kernels._C, kernels._M1, kernels._M2
-_S24, _S27, _S30, _S31, _S40 = kernels._S24, kernels._S27, kernels._S30, kernels._S31, kernels._S40
+_C = kernels._C
+_S24, _S40 = kernels._S24, kernels._S40
 _ONE, _ZERO = kernels._ONE, kernels._ZERO
 _BLOCK, _ONE_PASS_BYTES = kernels._BLOCK, kernels._ONE_PASS_BYTES
 # pylint: enable=protected-access
@@ -61,11 +61,7 @@ def _make_unit_kernel(isz: int):
   mask = ~_ZERO if isz == 8 else np.uint64((1 << (8 * isz)) - 1)
   small = isz <= 2
 
-  @numba.njit(nogil=True, cache=False, inline="always")
-  def mix(x):
-    x = (x ^ (x >> _S30)) * _M1
-    x = (x ^ (x >> _S27)) * _M2
-    return x ^ (x >> _S31)
+  mix = kernels.mix_nb
 
   @numba.njit(nogil=True, cache=False)
   def block_hash(ka, kb, m):
