@@ -7,8 +7,10 @@ interface (so the chunked parallel paths are what is measured):
     (check="result") and by the changes hashes with the held version named (check="changes",
     what `Subscriber(inplace=True)` does on a sampler), against memcpy of the new weights into
     those same held buffers;
-  * `delta.decode(..., out=recycled buffers)` and `delta.decode` into new arrays, against
-    `np.copy` into new arrays (first-touch page faults dominate both) and the XOR+zstd decode.
+  * `delta.decode` (the issue's interface: its output memory comes from results dropped
+    earlier, see `buffers`) and `delta.decode(..., out=buffers)` against the same memcpy;
+    `delta.decode(..., recycle=False)` into freshly allocated arrays against `np.copy` into
+    new arrays (first-touch page faults dominate both); and the XOR+zstd decode.
 GB/s are bytes of model weights per second. `synthetic_pairs` builds RL-like updates (see
 `synthetic`); `load_flat` reads checkpoints (orbax directories or .npz) so two consecutive learner
 checkpoints can be measured the same way; `train_deltas` (separate: it needs JAX) yields real
@@ -42,8 +44,8 @@ class Row:
   encode_GBps: float
   apply_GBps: float  # delta.apply_inplace into held weights, check="result"
   memcpy_GBps: float  # np.copyto of the new weights into the same held buffers
-  decode_GBps: float  # delta.decode(..., out=recycled buffers)
-  decode_fresh_GBps: float  # delta.decode into newly allocated arrays
+  decode_GBps: float  # delta.decode(..., out=buffers of an earlier version)
+  decode_fresh_GBps: float  # delta.decode(..., recycle=False): newly allocated arrays
   memcpy_fresh_GBps: float  # np.copy into newly allocated arrays
   xor_ratio: float
   xor_encode_GBps: float
@@ -52,6 +54,15 @@ class Row:
   repeats: int
   kinds: dict = dataclasses.field(default_factory=dict)  # chunk kind -> count
   apply_changes_GBps: float = 0.0  # the same with expect_parent, check="changes"
+  decode_pool_GBps: float = 0.0  # delta.decode(base, blob), the result dropped each repeat
+
+  @property
+  def decode_vs_memcpy(self) -> float:
+    return self.decode_pool_GBps / self.memcpy_GBps
+
+  @property
+  def decode_out_vs_memcpy(self) -> float:
+    return self.decode_GBps / self.memcpy_GBps
 
   @property
   def apply_vs_memcpy(self) -> float:
@@ -104,8 +115,8 @@ def measure(base: dict, new: dict, label: str = "", repeats: int = 5, workers=No
   kernels.warm_up()  # numba compiles once per process: not part of any timing
   held = {k: v.copy() for k, v in base.items()}  # the sampler's one weight set
   bufs = {k: np.ones_like(v) for k, v in new.items()}  # a recycled second set
-  t = {k: [] for k in ("enc", "apply", "apply_ch", "memcpy", "dec", "dec_fresh", "memcpy_fresh", "xenc",
-                       "xdec")}
+  t = {k: [] for k in ("enc", "apply", "apply_ch", "memcpy", "dec", "dec_pool", "dec_fresh",
+                       "memcpy_fresh", "xenc", "xdec")}
   kinds = {}
   blob = xb = None
   for r in range(repeats):
@@ -132,7 +143,12 @@ def measure(base: dict, new: dict, label: str = "", repeats: int = 5, workers=No
     if r == 0:
       _check_same(out, new, "decode(out=)")
     del out
-    t["dec_fresh"].append(_timed(lambda: delta.decode(base, blob, workers=w))[0])
+    dt, out = _timed(lambda: delta.decode(base, blob, workers=w))
+    t["dec_pool"].append(dt)
+    if r == 0:
+      _check_same(out, new, "decode()")
+    del out  # its memory is what the next repeat's decode() reuses
+    t["dec_fresh"].append(_timed(lambda: delta.decode(base, blob, workers=w, recycle=False))[0])
     t["memcpy_fresh"].append(_timed(lambda: {k: np.copy(v) for k, v in new.items()})[0])
     dt, xb = _timed(lambda: xor_zstd_encode(base, new))
     t["xenc"].append(dt)
@@ -141,7 +157,7 @@ def measure(base: dict, new: dict, label: str = "", repeats: int = 5, workers=No
   return Row(label, elems, changed / max(1, elems), nb / len(blob), g["enc"], g["apply"],
              g["memcpy"], g["dec"], g["dec_fresh"], g["memcpy_fresh"],
              nb / sum(len(b) for b in xb.values()), g["xenc"], g["xdec"], w, repeats,
-             dict(kinds), g["apply_ch"])
+             dict(kinds), g["apply_ch"], g["dec_pool"])
 
 
 def synthetic_pairs(params: int, fractions, seed: int = 0):
@@ -219,13 +235,15 @@ def markdown(rows) -> str:
   head = ("| update | changed | ratio ours / XOR+zstd | encode GB/s ours / XOR+zstd | "
           "apply in place GB/s, changes check / result hash | memcpy into the same buffers GB/s "
           "| **apply / memcpy**, changes check / result hash | "
-          "decode(out=) GB/s | decode() / memcpy, new arrays GB/s | XOR+zstd decode GB/s |\n"
-          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n")
+          "decode() GB/s | **decode() / memcpy** | decode(out=) / memcpy | "
+          "new pages: decode(recycle=False) / np.copy GB/s | XOR+zstd decode GB/s |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n")
   return head + "".join(
       f"| {r.label} | {r.changed:.2%} | {r.ratio:.1f}x / {r.xor_ratio:.1f}x | "
       f"{r.encode_GBps:.2f} / {r.xor_encode_GBps:.2f} | "
       f"{r.apply_changes_GBps:.2f} / {r.apply_GBps:.2f} | {r.memcpy_GBps:.2f} | "
       f"**{r.apply_changes_vs_memcpy:.2f}** / {r.apply_vs_memcpy:.2f} | "
-      f"{r.decode_GBps:.2f} | {r.decode_fresh_GBps:.2f} / {r.memcpy_fresh_GBps:.2f} | "
+      f"{r.decode_pool_GBps:.2f} | **{r.decode_vs_memcpy:.2f}** | {r.decode_out_vs_memcpy:.2f} | "
+      f"{r.decode_fresh_GBps:.2f} / {r.memcpy_fresh_GBps:.2f} | "
       f"{r.xor_decode_GBps:.2f} |\n"
       for r in rows)

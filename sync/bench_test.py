@@ -21,6 +21,7 @@ def test_synthetic_rows_hit_their_fractions_and_beat_xor():
   for r in rows:
     assert r.ratio > 1.5 * r.xor_ratio and r.encode_GBps > 0 and r.memcpy_GBps > 0
     assert r.apply_GBps > 0 and r.decode_fresh_GBps > 0 and r.memcpy_fresh_GBps > 0
+    assert r.decode_pool_GBps > 0 and r.decode_vs_memcpy == r.decode_pool_GBps / r.memcpy_GBps
     assert r.apply_vs_memcpy == r.apply_GBps / r.memcpy_GBps
   assert rows[0].kinds == {"sparse_unit": sum(rows[0].kinds.values())}
   table = bench.markdown(rows)

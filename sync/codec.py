@@ -257,7 +257,7 @@ def _decompress(kind: int, payload, n: int, itemsize: int, dctx):
 
 
 def apply_chunk(kind: int, payload, out: np.ndarray, dctx: zstandard.ZstdDecompressor,
-                undo: bool = False, hash_limit: float = 1.0):
+                undo: bool = False, hash_limit: float = 1.0, src: np.ndarray | None = None):
   """Adds a payload's changes into the chunk `out` in place (`undo`: subtracts them).
 
   Args:
@@ -268,30 +268,38 @@ def apply_chunk(kind: int, payload, out: np.ndarray, dctx: zstandard.ZstdDecompr
     undo: subtract instead (exact inverse; RAW chunks cannot be undone).
     hash_limit: return the changes hash of a SPARSE / SPARSE_UNIT chunk only if at most this
       fraction of its elements changed (0: never; SPARSE_UNIT then skips computing it).
+    src: if given (and not `out`), the base chunk; `out` is scratch and receives src + the
+      changes (the unit kinds copy and apply in one pass through memory).
 
   Returns:
     The changes hash (see `kernels`), or None where it was not asked for or the kind has none.
 
   Raises:
-    CodecError: damaged payload, or one that does not fit the chunk; `out` is unchanged.
+    CodecError: damaged payload, or one that does not fit the chunk; `out` is unchanged
+      (garbage with `src`).
   """
+  if src is out:
+    src = None
   if kind == DENSE_UNIT:
     raw = _decompress(kind, payload, out.size, out.itemsize, dctx)
-    if not unit_kernels.dense_unit_apply(raw, out, undo):
+    if not unit_kernels.dense_unit_apply(raw, out, undo, src=src):
       raise CodecError("DENSE_UNIT payload has the wrong length or layout")
     return None
   if kind not in SPARSE_KINDS:
-    apply_changes(kind, decode_changes(kind, payload, out.size, out.dtype, dctx), out,
+    apply_changes(kind, decode_changes(kind, payload, out.size, out.dtype, dctx), out, src,
                   undo=undo)
     return None
   raw = _decompress(kind, payload, out.size, out.itemsize, dctx)
+  if src is not None and kind == SPARSE:
+    np.copyto(out, src)
+    src = None
   # Both bodies start with the u32 change count (checked by the kernels' parsers).
   nnz = _SPARSE_HEAD.unpack_from(raw)[0] if len(raw) >= _SPARSE_HEAD.size else 0
   want = 0 < nnz <= hash_limit * out.size
   if kind == SPARSE:
     h = kernels.sparse_apply(raw, out, undo)
   else:
-    h = unit_kernels.unit_apply(raw, out, undo, want_hash=want)
+    h = unit_kernels.unit_apply(raw, out, undo, want_hash=want, src=src)
   if h is None:
     raise CodecError(f"{KIND_NAMES[kind].upper()} payload has the wrong length or layout, or "
                      "a position outside the chunk")
@@ -374,13 +382,8 @@ def decode_chunk(kind: int, payload, base, out, dctx: zstandard.ZstdDecompressor
   """Writes the chunk rebuilt from `base` and `payload` into `out` (same dtype and length).
 
   `base` may be `out` itself (in-place apply) for every kind. Raises CodecError on a damaged
-  payload or one that does not fit the chunk; `out` then holds its old bits or `base`'s.
+  payload or one that does not fit the chunk; `out` then holds garbage unless it is `base`.
   """
   if base is None and kind != RAW:
     raise CodecError(f"chunk kind {kind} needs a base")
-  if kind in SPARSE_KINDS or kind == DENSE_UNIT:
-    if base is not out:
-      np.copyto(out, base)
-    apply_chunk(kind, payload, out, dctx, hash_limit=0.0)  # the caller hashes the result
-    return
-  apply_changes(kind, decode_changes(kind, payload, out.size, out.dtype, dctx), out, base)
+  apply_chunk(kind, payload, out, dctx, hash_limit=0.0, src=base)  # the caller hashes the result

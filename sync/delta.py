@@ -63,6 +63,7 @@ import time
 import numpy as np
 import xxhash
 
+from sync import buffers
 from sync import codec
 from sync import parallel
 from sync import weights
@@ -78,6 +79,10 @@ _KINDS = {2: frozenset((codec.SAME, codec.SPARSE, codec.DENSE, codec.RAW)),
 # (vectorized, see `kernels`) cost ~1.5 ms at 4% changed (~0.55 ns per change), xxh3 of the
 # whole model ~3.7 ms (~0.06 ns per element): the break-even is near 10%, and xxh3 proves more.
 _CHANGES_HASH_LIMIT = 1 / 8
+# Payload bytes read ahead while decoding a stream (with at most 32 chunks per worker).
+_BATCH_BYTES = 64 << 20
+# Output memory for `decode` without `out=` (see `buffers`): the last two calls' buffers.
+_RECYCLER = buffers.Recycler(keep=2)
 _LEN = struct.Struct("<I")
 _REC = struct.Struct("<IIB3xQQQQQ")
 _CHECK = struct.Struct("<I")
@@ -310,7 +315,8 @@ def _fit_base(base, name, dt, shape):
 
 
 def decode_stream(base: Mapping[str, np.ndarray], source, *, workers=None,
-                  expect_parent: str | None = None, out: Mapping[str, np.ndarray] | None = None):
+                  expect_parent: str | None = None, out: Mapping[str, np.ndarray] | None = None,
+                  recycle: bool = True):
   """Rebuilds the new version from `base` and a blob read from `source`.
 
   Args:
@@ -322,6 +328,10 @@ def decode_stream(base: Mapping[str, np.ndarray], source, *, workers=None,
       sharing memory with `base`), e.g. the buffers of the version before `base`; a sampler
       that ping-pongs two sets avoids allocating (and page-faulting) a model per update.
       Tensors without a fitting buffer are allocated. On error the buffers hold garbage.
+    recycle: allocate through the module's `buffers.Recycler`: memory of earlier results
+      that the caller has dropped entirely is reused (no page faults), and the buffers of the
+      last two calls are kept for that (`release_buffers()` frees them). False: plain
+      `np.empty`.
 
   Returns:
     (flat dict of new arrays, Stats).
@@ -335,13 +345,14 @@ def decode_stream(base: Mapping[str, np.ndarray], source, *, workers=None,
   chunk_elems = head["chunk_elems"]
   tensors = head["tensors"]
   stats = Stats()
-  outs, bases, expected = [], [], []
+  outs, bases, expected, missing = [], [], [], []
   for name, dt, shape, raw in tensors:
     dtype = weights.dtype_from_name(dt)
     o = None if out is None else out.get(name)
     if o is None or o.dtype != dtype or tuple(o.shape) != tuple(shape) or not (
         o.flags.c_contiguous and o.flags.writeable):
-      o = np.empty(shape, dtype)
+      o = None
+      missing.append((len(outs), (dtype, shape)))
     elif name in base and np.shares_memory(o, base[name]):
       raise ValueError(f"out[{name!r}] shares memory with base")
     outs.append(o)
@@ -349,10 +360,16 @@ def decode_stream(base: Mapping[str, np.ndarray], source, *, workers=None,
       bases.append(None)
     else:
       bases.append(weights.words(np.asarray(_fit_base(base, name, dt, shape))))
-    for ci, _ in enumerate(weights.chunk_bounds(o.size, chunk_elems)):
+    size = int(np.prod(shape, dtype=np.int64))
+    for ci, _ in enumerate(weights.chunk_bounds(size, chunk_elems)):
       expected.append((len(outs) - 1, ci))
-    stats.raw_bytes += o.nbytes
-    stats.elements += o.size
+    stats.raw_bytes += size * dtype.itemsize
+    stats.elements += size
+  specs = [spec for _, spec in missing]
+  new = _RECYCLER.arrays(specs) if recycle else [np.empty(sh, dt) for dt, sh in specs]
+  for (i, _), o in zip(missing, new):
+    outs[i] = o
+  del new
   local = parallel.Local(1)
   outw = [weights.words(o) for o in outs]
 
@@ -378,23 +395,38 @@ def decode_stream(base: Mapping[str, np.ndarray], source, *, workers=None,
   dig = weights.Digester()
   last_ti = -1
   w = parallel.workers(workers)
-  with concurrent.futures.ThreadPoolExecutor(w) as pool:
-    recs = _records(reader, expected, chunk_elems, [o.itemsize for o in outw], head["format"])
-    for ti, kind, nh in parallel.ordered(pool, work, recs, 2 * w):
-      if ti != last_ti:
-        dig.tensor(*tensors[ti][:3])
-        last_ti = ti
-      dig.chunk(nh)
-      k = codec.KIND_NAMES.get(kind, str(kind))
-      stats.chunks[k] = stats.chunks.get(k, 0) + 1
+  recs = _records(reader, expected, chunk_elems, [o.itemsize for o in outw], head["format"])
+  # Batches of records (bounded payload bytes), each run by `map_all` with this thread among
+  # the workers: one hand-off per worker per batch. A pool fed chunk by chunk from here ran
+  # 2 threads at ~1.2x of one on this 2-core machine (every finished chunk waited for this
+  # thread to be scheduled to hand out the next).
+  with (concurrent.futures.ThreadPoolExecutor(w - 1) if w > 1 else
+        contextlib.nullcontext()) as pool:
+    for batch in parallel.batches(recs, 32 * w, _BATCH_BYTES, lambda r: len(r[3])):
+      for ti, kind, nh in parallel.map_all(pool, work, batch, w):
+        if ti != last_ti:
+          dig.tensor(*tensors[ti][:3])
+          last_ti = ti
+        dig.chunk(nh)
+        k = codec.KIND_NAMES.get(kind, str(kind))
+        stats.chunks[k] = stats.chunks.get(k, 0) + 1
   _finish(reader, stats, len(expected), dig.hexdigest(), expect_parent)
   stats.seconds = time.perf_counter() - t0
   return {t[0]: o for t, o in zip(tensors, outs)}, stats
 
 
 def decode(base: Mapping[str, np.ndarray], blob, **kw) -> dict[str, np.ndarray]:
-  """The new version rebuilt bit-exactly from `base` and `blob`; raises DeltaError."""
+  """The new version rebuilt bit-exactly from `base` and `blob`; raises DeltaError.
+
+  New arrays (see `decode_stream` for `out=`, `recycle=` and the other options); their memory
+  may be that of an earlier result the caller has dropped entirely (`buffers`).
+  """
   return decode_stream(base, blob, **kw)[0]
+
+
+def release_buffers() -> None:
+  """Lets go of the buffers `decode` keeps for reuse (freed once their users drop them)."""
+  _RECYCLER.release()
 
 
 CHECKS = ("auto", "result", "changes")

@@ -88,6 +88,32 @@ def test_decode_into_recycled_buffers():
     delta.decode(base, delta.encode(base, new), out=base)
 
 
+def test_decode_reuses_the_memory_of_dropped_results_only():
+  """A decode loop (`w = decode(w, blob)`) ping-pongs between two sets of buffers, and no
+  result ever shares memory with a live one (the base, or a result still held)."""
+  delta.release_buffers()
+  m = synthetic.init_master({"a/w": (300, 700), "a/b": (700,)}, 5)
+  versions = [synthetic.cast(m)]
+  for step in range(5):
+    synthetic.rl_step(m, 0.04, 10 + step)
+    versions.append(synthetic.cast(m))
+  blobs = [delta.encode(a, b) for a, b in zip(versions, versions[1:])]
+  w, seen = versions[0], set()
+  held = delta.decode(versions[0], blobs[0])  # a result the caller keeps
+  for i, blob in enumerate(blobs):
+    nxt = delta.decode(w, blob)
+    assert _same_bits(nxt, versions[i + 1])
+    for k in nxt:
+      assert not np.shares_memory(nxt[k], w[k]) and not np.shares_memory(nxt[k], held[k])
+    seen.add(nxt["a/w"].__array_interface__["data"][0])
+    w = nxt
+  assert len(seen) == 2
+  assert _same_bits(held, versions[1])  # never overwritten
+  fresh = delta.decode(versions[0], blobs[0], recycle=False)
+  assert fresh["a/w"].__array_interface__["data"][0] not in seen
+  delta.release_buffers()
+
+
 def test_decode_does_not_touch_base():
   base, new = _pair()
   before = {k: v.copy() for k, v in base.items()}

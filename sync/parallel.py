@@ -1,7 +1,7 @@
 """Thread-pool helpers for the delta codec: bounded in-order maps and self-balancing batches.
 
 What: `ordered` maps over a stream with a bounded window of tasks in flight (results in order,
-memory O(window)); `map_all` runs a function over a list with a few threads, the caller's among
+memory O(window)); `batches` cuts a stream into bounded lists; `map_all` runs a function over a list with a few threads, the caller's among
 them, each taking the next item from a shared counter; `Local` holds one zstd compressor and
 decompressor per thread. Why here: `delta` encodes, decodes and applies chunks with them, and
 their scheduling choices were measured on the loaded 2-core machine (see `map_all`).
@@ -38,6 +38,20 @@ def ordered(pool, fn, items, window):
       yield pending.pop(0).result()
   for f in pending:
     yield f.result()
+
+
+def batches(items, max_items, max_size, size):
+  """Lists of consecutive items from a stream, each closed at `max_items` items or once the
+  items' `size(item)` add up to `max_size` (bounded memory for a stream fed to `map_all`)."""
+  batch, total = [], 0
+  for item in items:
+    batch.append(item)
+    total += size(item)
+    if len(batch) >= max_items or total >= max_size:
+      yield batch
+      batch, total = [], 0
+  if batch:
+    yield batch
 
 
 def map_all(pool, fn, items, w):

@@ -63,5 +63,11 @@ def test_ordered_bounds_the_window():
   assert parallel.workers(5) == 5 and parallel.workers() >= 1
 
 
+def test_batches_close_at_the_item_or_size_bound():
+  got = list(parallel.batches(iter([5, 1, 1, 9, 2, 2, 2, 2, 2]), 3, 10, lambda x: x))
+  assert got == [[5, 1, 1], [9, 2], [2, 2, 2], [2]]
+  assert not list(parallel.batches(iter([]), 3, 10, len))
+
+
 if __name__ == "__main__":
   sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))

@@ -51,6 +51,9 @@ _LANES3 = np.uint64(0x0003000300030003)
 _LANES1 = np.uint64(0x0001000100010001)
 _LOW15 = np.uint64(0x7FFF7FFF7FFF7FFF)
 _HIGH1 = np.uint64(0x8000800080008000)
+# Elements copied ahead of the changes when a kernel fills `out` from a separate base (32 KiB
+# of bf16: the block and the changes' reads and writes stay in L1/L2).
+_FILL = 16384
 _NO_EXC_IDX = np.zeros(0, np.int64)
 _NO_EXC_VAL = np.zeros(0, np.uint64)
 
@@ -84,11 +87,15 @@ def _make_unit_kernel(isz: int):
       kb[j] = new
 
   @numba.njit(nogil=True, cache=False)
-  def kernel(raw, nnz, cb, exc_idx, exc_val, count, out, undo, want_hash):
+  def kernel(raw, nnz, cb, exc_idx, exc_val, count, out, undo, want_hash, src, fill):
     """Applies the first `count` changes; returns (-1, hash or 0), or (k, 0) if a position
     lies outside `out`: then only the first k changes were applied. `exc_idx` (increasing,
-    < nnz) and `exc_val` (the differences) are the decoded exceptions."""
+    < nnz) and `exc_val` (the differences) are the decoded exceptions. With `fill`, `out`
+    starts as scratch and `src` holds the base: it is copied into `out` a few cache-sized
+    blocks ahead of the changes (the changes then read and write cache-hot memory); without
+    it `src` is ignored (pass `out`)."""
     n = out.size
+    copied = np.int64(0)
     ne = exc_idx.size
     e = 0
     nxt = exc_idx[0] if ne > 0 else np.int64(nnz)
@@ -111,6 +118,11 @@ def _make_unit_kernel(isz: int):
         p += 1 + (c >> 1)
         if p >= n:
           return i, _ZERO
+        if fill and p >= copied:
+          end = min(n, max(p + 1, copied + _FILL))
+          for q in range(np.uint64(copied), np.uint64(end)):  # unsigned: vectorized
+            out[q] = src[q]
+          copied = end
         if i == nxt:
           d = exc_val[e]
           e += 1
@@ -128,6 +140,9 @@ def _make_unit_kernel(isz: int):
             j = 0
       if want_hash:
         acc += block_hash(ka, kb, j)
+      if fill:
+        for q in range(np.uint64(copied), np.uint64(n)):
+          out[q] = src[q]
       return -1, acc
     pos = np.empty(_BLOCK, np.int64)
     olds = np.empty(_BLOCK, np.uint64)
@@ -146,6 +161,11 @@ def _make_unit_kernel(isz: int):
         pos[j] = p
       if p >= n:
         return s0, _ZERO
+      if fill and p >= copied:
+        end = min(n, max(p + 1, copied + _FILL))
+        for q in range(np.uint64(copied), np.uint64(end)):
+          out[q] = src[q]
+        copied = end
       for j in range(m):
         olds[j] = np.uint64(out[pos[j]])
       for j in range(m):
@@ -163,24 +183,30 @@ def _make_unit_kernel(isz: int):
           keep(ka, kb, j, pos[j], old, new)
       if want_hash:
         acc += block_hash(ka, kb, m)
+    if fill:
+      for q in range(np.uint64(copied), np.uint64(n)):
+        out[q] = src[q]
     return -1, acc
 
   return kernel
 
 
-def _make_dense_kernel(isz: int):
-  """The numba DENSE_UNIT kernel for words of `isz` bytes: one element at a time."""
+def _make_dense_kernel(isz: int, fill: bool):
+  """The numba DENSE_UNIT kernel for words of `isz` bytes: one element at a time. `fill`
+  (fixed per compiled kernel): read the old bits from `src`, else from `out` (in place: a
+  kernel that reads a second array that may alias `out` is not vectorized)."""
   mask = ~_ZERO if isz == 8 else np.uint64((1 << (8 * isz)) - 1)
 
   @numba.njit(nogil=True, cache=False)
-  def kernel(packed, out, undo):
-    """Adds (undo: subtracts) every element's symbol; returns whether a symbol 3 was seen."""
+  def kernel(packed, src, out, undo):
+    """out = (src if fill else out) + (undo: -) every element's symbol; returns whether a
+    symbol 3 was seen."""
     bad = False
     for i in range(out.size):
       s = (np.uint64(packed[i >> 2]) >> np.uint64(2 * (i & 3))) & np.uint64(3)
       bad |= s == 3
       d = (_ZERO - (s >> _ONE)) | (s & _ONE)  # 0, 1 or all ones (-1)
-      old = np.uint64(out[i])
+      old = np.uint64(src[i]) if fill else np.uint64(out[i])
       out[i] = ((old - d) if undo else (old + d)) & mask
     return bad
 
@@ -189,23 +215,34 @@ def _make_dense_kernel(isz: int):
 
 if HAVE_NUMBA:
   _UNIT_KERNELS = {isz: _make_unit_kernel(isz) for isz in (1, 2, 4, 8)}
-  _DENSE_KERNELS = {isz: _make_dense_kernel(isz) for isz in (1, 2, 4, 8)}
+  _DENSE_KERNELS = {(isz, fill): _make_dense_kernel(isz, fill)
+                    for isz in (1, 2, 4, 8) for fill in (False, True)}
+
+
+def _make_swar16(fill: bool):
+  """DENSE_UNIT for 16-bit words, four per u64 lane group (`fill` as `_make_dense_kernel`)."""
 
   @numba.njit(nogil=True, cache=False)
-  def _dense_swar16(packed, out64, undo):
-    """DENSE_UNIT for 16-bit words, four per u64 lane group; returns whether a symbol 3 was
-    seen. Lane-wise add/subtract without carries between lanes (the SWAR identities)."""
+  def swar16(packed, src64, out64, undo):
+    """out64 = (src64 if fill else out64) +- symbols; returns whether a symbol 3 was seen.
+    Lane-wise add/subtract without carries between lanes (the SWAR identities)."""
     bad = _ZERO
     for j in range(out64.size):
       s = (np.uint64(packed[j]) * _SPREAD) & _LANES3  # the byte's 4 symbols, one per lane
       bad |= s & (s >> _ONE)
       a = (s & _LANES1) | (((s >> _ONE) & _LANES1) * np.uint64(0xFFFF))  # 0, 1 or 0xFFFF
-      x = out64[j]
+      x = src64[j] if fill else out64[j]
       if undo:
         out64[j] = ((x | _HIGH1) - (a & _LOW15)) ^ ((x ^ ~a) & _HIGH1)
       else:
         out64[j] = ((x & _LOW15) + (a & _LOW15)) ^ ((x ^ a) & _HIGH1)
     return bad != _ZERO
+
+  return swar16
+
+
+if HAVE_NUMBA:
+  _SWAR16 = {fill: _make_swar16(fill) for fill in (False, True)}
 
 
 if HAVE_NUMBA:
@@ -308,7 +345,7 @@ def _unit_apply_np(buf, nnz, cb, idx, vals, out, undo, want_hash):
 
 
 def unit_apply(raw, out: np.ndarray, undo: bool = False, want_hash: bool = True,
-               use_numba: bool | None = None):
+               use_numba: bool | None = None, src: np.ndarray | None = None):
   """Adds (or with `undo` subtracts) a SPARSE_UNIT body's changes into `out`, in place.
 
   Args:
@@ -317,27 +354,35 @@ def unit_apply(raw, out: np.ndarray, undo: bool = False, want_hash: bool = True,
     undo: subtract instead (the exact inverse).
     want_hash: compute the changes hash (else 0 is returned on success).
     use_numba: force one implementation (default: numba when installed).
+    src: if given (and not `out`), the base chunk: `out` is scratch and receives src + the
+      changes, copied in the same pass as the changes are applied (one trip through memory
+      instead of a copy and then a scatter). On failure `out` then holds garbage.
 
   Returns:
     The changes hash (0 without `want_hash`), or None if the body is malformed (see
-    `parse_unit`, or a position outside `out`); then `out` is unchanged.
+    `parse_unit`, or a position outside `out`); then `out` is unchanged (unless `src`).
   """
   buf = np.frombuffer(raw, np.uint8)
   if use_numba is None:
     use_numba = HAVE_NUMBA
   if use_numba and not HAVE_NUMBA:
     raise RuntimeError("numba is not installed")
+  fill = src is not None and src is not out
   parsed = parse_unit(buf, out.size, out.itemsize, use_numba)
   if parsed is None:
     return None
   nnz, cb, idx, vals = parsed
   if not use_numba:
+    if fill:
+      np.copyto(out, src)
     status, h = _unit_apply_np(buf, nnz, cb, idx, vals, out, undo, want_hash)
     return None if status < 0 else int(h)
   kernel = _UNIT_KERNELS[out.itemsize]
-  applied, h = kernel(buf, nnz, cb, idx, vals, nnz, out, undo, want_hash)
+  applied, h = kernel(buf, nnz, cb, idx, vals, nnz, out, undo, want_hash,
+                      src if fill else out, fill)
   if applied >= 0:  # a position outside the chunk: take back the changes applied before it
-    kernel(buf, nnz, cb, idx, vals, applied, out, not undo, False)
+    if not fill:
+      kernel(buf, nnz, cb, idx, vals, applied, out, not undo, False, out, False)
     return None
   return int(h)
 
@@ -376,7 +421,7 @@ def _dense_np(packed: np.ndarray, out: np.ndarray, undo: bool) -> bool:
 
 
 def dense_unit_apply(raw, out: np.ndarray, undo: bool = False,
-                     use_numba: bool | None = None) -> bool:
+                     use_numba: bool | None = None, src: np.ndarray | None = None) -> bool:
   """Adds (or with `undo` subtracts) a DENSE_UNIT body's changes into `out`, in place.
 
   Args:
@@ -384,10 +429,12 @@ def dense_unit_apply(raw, out: np.ndarray, undo: bool = False,
     out: 1-D C-contiguous unsigned-integer chunk (the bit patterns), modified in place.
     undo: subtract instead (the exact inverse).
     use_numba: force one implementation (default: numba when installed).
+    src: if given (and not `out`), the base chunk: `out` is scratch and receives src + the
+      changes in one pass. On failure `out` then holds garbage.
 
   Returns:
     True, or False if the body is malformed (see `parse_dense_unit`; or a symbol 3); then
-    `out` is unchanged.
+    `out` is unchanged (unless `src`).
   """
   if use_numba is None:
     use_numba = HAVE_NUMBA
@@ -397,20 +444,24 @@ def dense_unit_apply(raw, out: np.ndarray, undo: bool = False,
   if parsed is None:
     return False
   packed, pos, vals = parsed
+  fill = src is not None and src is not out
+  if fill and not use_numba:
+    np.copyto(out, src)
 
-  def run(back):
+  def run(back, s):
     if not use_numba:
       return _dense_np(packed, out, back)
     if out.itemsize != 2:
-      return _DENSE_KERNELS[out.itemsize](packed, out, back)
+      return _DENSE_KERNELS[out.itemsize, s is not out](packed, s, out, back)
     m = out.size // 4 * 4
-    bad = _dense_swar16(packed, out[:m].view(np.uint64), back)
+    bad = _SWAR16[s is not out](packed, s[:m].view(np.uint64), out[:m].view(np.uint64), back)
     if m < out.size:  # the last 1-3 elements
-      bad |= _DENSE_KERNELS[2](packed[m // 4:], out[m:], back)
+      bad |= _DENSE_KERNELS[2, s is not out](packed[m // 4:], s[m:], out[m:], back)
     return bad
 
-  if run(undo):
-    run(not undo)  # exact inverse: symbol 3 adds -1 both ways
+  if run(undo, src if fill and use_numba else out):
+    if not fill:
+      run(not undo, out)  # exact inverse: symbol 3 adds -1 both ways
     return False
   if len(pos):  # positions are distinct
     if use_numba:
@@ -425,8 +476,11 @@ def warm_up() -> None:
   if HAVE_NUMBA:
     for dt in (np.uint16, np.uint32):
       four = bytes([4]) + bytes(np.dtype(dt).itemsize - 1)  # an exception: a step of +2
+      frozen = np.zeros(8, dt)  # a read-only base (filling `out` from it) types differently
+      frozen.flags.writeable = False
       for nexc in (0, 1):
-        unit_apply(UNIT_HEAD.pack(1, nexc, 1) + bytes(1) + (bytes(3) + four) * nexc,
-                   np.zeros(1, dt))
-        dense_unit_apply(DENSE_UNIT_HEAD.pack(5, nexc) + bytes(2) + (bytes(3) + four) * nexc,
-                         np.zeros(5, dt))
+        for src in (None, frozen):
+          unit_apply(UNIT_HEAD.pack(1, nexc, 1) + bytes(1) + (bytes(3) + four) * nexc,
+                     np.zeros(1, dt), src=None if src is None else src[:1])
+          dense_unit_apply(DENSE_UNIT_HEAD.pack(5, nexc) + bytes(2) + (bytes(3) + four) * nexc,
+                           np.zeros(5, dt), src=None if src is None else src[:5])

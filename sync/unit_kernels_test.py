@@ -88,6 +88,26 @@ def test_malformed_unit_bodies_leave_the_chunk_unchanged(use_numba, frac):
   np.testing.assert_array_equal(out, base)
 
 
+@pytest.mark.parametrize("frac", [0.005, 0.1])  # the blocked and one-pass loops
+@pytest.mark.parametrize("dtype", [np.uint16, np.uint32])
+def test_unit_fill_from_a_separate_base_equals_copy_then_apply(dtype, frac):
+  """With `src`, `out` starts as garbage and ends as src + changes (what `decode` runs)."""
+  base, new, raw, ch = _unit_body(dtype, n=100_000, frac=frac)
+  src = base.copy()
+  src.flags.writeable = False  # a caller's read-only base
+  for use_numba in (True, False):
+    out = np.full_like(base, 0xAB)
+    assert unit_kernels.unit_apply(raw, out, use_numba=use_numba, src=src) == ch
+    np.testing.assert_array_equal(out, new)
+    out = np.full_like(base, 0xAB)
+    assert unit_kernels.unit_apply(raw, out, undo=True, want_hash=False, use_numba=use_numba,
+                                   src=new) == 0
+    np.testing.assert_array_equal(out, base)
+    short = np.empty(base.size - 5, dtype)  # a position outside: rejected, base untouched
+    assert unit_kernels.unit_apply(raw, short, use_numba=use_numba, src=src[:-5]) is None
+  np.testing.assert_array_equal(src, base)
+
+
 def _dense_body(dtype, n, frac=0.3, seed=0, exceptions=True):
   rng = np.random.default_rng(seed)
   info = np.iinfo(dtype)
@@ -115,6 +135,12 @@ def test_dense_unit_numba_and_numpy_paths_are_bit_identical(dtype, n):
       np.testing.assert_array_equal(out, new)
       assert unit_kernels.dense_unit_apply(raw, out, undo=True, use_numba=use_numba)
       np.testing.assert_array_equal(out, base)
+      src = np.zeros(n + 1, dtype)[1:]  # filling from a separate (unaligned, read-only) base
+      src[...] = base
+      src.flags.writeable = False
+      out = np.full_like(base, 0xAB)
+      assert unit_kernels.dense_unit_apply(raw, out, use_numba=use_numba, src=src)
+      np.testing.assert_array_equal(out, new)
   unaligned = np.zeros(n + 1, dtype)[1:]  # a chunk that does not start on 8 bytes
   unaligned[...] = base
   assert unit_kernels.dense_unit_apply(raw, unaligned)

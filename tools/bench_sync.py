@@ -100,7 +100,9 @@ def main(argv=None) -> int:
           f"{max(s['changed']):.2%}), ratio median {np.median(s['ratio']):.1f}x vs XOR+zstd "
           f"{np.median(s['xor_ratio']):.1f}x")
   report["rows"] = [dict(r.__dict__, apply_vs_memcpy=r.apply_vs_memcpy,
-                         apply_changes_vs_memcpy=r.apply_changes_vs_memcpy) for r in rows]
+                         apply_changes_vs_memcpy=r.apply_changes_vs_memcpy,
+                         decode_vs_memcpy=r.decode_vs_memcpy,
+                         decode_out_vs_memcpy=r.decode_out_vs_memcpy) for r in rows]
   if not args.no_sim:
     row = min(rows, key=lambda r: abs(r.changed - 0.04))
     report["terabyte"] = bench.terabyte_report(row)
