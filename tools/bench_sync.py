@@ -3,7 +3,9 @@
 Every row compares, in the same run and on the same buffers (medians of --repeats interleaved
 repeats): our codec vs plain XOR+zstd (ratio, encode, decode), and our in-place apply (what a
 sampler's `Subscriber(inplace=True)` does) vs memcpy of the new weights into those same
-buffers; `delta.decode` into new arrays vs `np.copy` into new arrays is reported beside it.
+buffers; `delta.decode` (the convenience interface; its memory comes from results dropped
+earlier) and `delta.decode(out=)` vs that same memcpy; `delta.decode(recycle=False)` into
+freshly allocated arrays vs `np.copy` into new arrays is reported beside them.
 
 Synthetic RL-like updates (64M bf16 parameters, changed fractions 1%/4%/25%, minutes on 2 cores):
   .venv/bin/python -m tools.bench_sync
