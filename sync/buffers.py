@@ -39,6 +39,11 @@ class Recycler:
     self._calls: list[list[np.ndarray]] = []
     self._lock = threading.Lock()
     self.reused = 0  # buffers reused so far (for tests and stats)
+    # What the reference count of an owner nobody else holds reads from the same call site
+    # (a list slot, the loop variable, the call's argument): measured rather than assumed,
+    # as how CPython counts stack references changes between versions.
+    for owner in [np.empty(1, np.uint8)]:
+      self._unheld = _refs(owner)
 
   def arrays(self, specs) -> list[np.ndarray]:
     """New C-contiguous arrays, one per (dtype, shape) in `specs`, contents undefined."""
@@ -47,9 +52,8 @@ class Recycler:
       spare: dict[int, list[np.ndarray]] = {}
       for call in self._calls:
         for owner in call:
-          # References: the call's list, this loop variable, getrefcount's argument. Every
-          # view handed out (and any view of it) references the owner as its `.base`.
-          if sys.getrefcount(owner) <= 3:
+          # Every view handed out (and any view of it) references the owner as its `.base`.
+          if _refs(owner) <= self._unheld:
             spare.setdefault(owner.nbytes, []).append(owner)
       taken, out = [], []
       for dt, shape in specs:
@@ -79,3 +83,7 @@ class Recycler:
   def kept_bytes(self) -> int:
     with self._lock:
       return sum(o.nbytes - _ALIGN for c in self._calls for o in c)
+
+
+def _refs(owner: np.ndarray) -> int:
+  return sys.getrefcount(owner)
