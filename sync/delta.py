@@ -13,9 +13,12 @@ see below), and it is all-or-nothing (everything checked before
 the first write, exact roll-back if a rebuilt chunk's hash fails).
 `encode_to` / `decode_stream` are the streaming forms (a writable sink / a readable source);
 `encode` and `decode` are thin wrappers over them, so every path is measured through the same
-code. Work is split into fixed-size chunks (`weights.CHUNK_ELEMS` elements) that a thread pool
-encodes or decodes in parallel (numpy, zstd and xxhash release the GIL) with a bounded window of
-chunks in flight, so memory stays at base + new + O(workers) chunks.
+code. Work is split into fixed-size chunks (`weights.CHUNK_ELEMS` elements) that threads encode
+or decode in parallel (numpy, zstd, xxhash and the numba kernels release the GIL) with a bounded
+number of chunks in flight (encode: a window of 2 per worker; decode: batches of at most 32 per
+worker or 64 MB of payload), so memory stays at base + new + O(workers) chunks. `decode` takes
+its output memory from earlier results the caller has dropped (`buffers`), so decoding version
+after version does not page-fault a new model each time.
 
 Blob layout (little-endian):
   header:  MAGIC, u32 length, JSON {format, chunk_elems, tensors: [[name, dtype, shape, raw]]}
