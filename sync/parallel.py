@@ -1,10 +1,11 @@
 """Thread-pool helpers for the delta codec: bounded in-order maps and self-balancing batches.
 
 What: `ordered` maps over a stream with a bounded window of tasks in flight (results in order,
-memory O(window)); `batches` cuts a stream into bounded lists; `map_all` runs a function over a list with a few threads, the caller's among
-them, each taking the next item from a shared counter; `Local` holds one zstd compressor and
-decompressor per thread. Why here: `delta` encodes, decodes and applies chunks with them, and
-their scheduling choices were measured on the loaded 2-core machine (see `map_all`).
+memory O(window)); `batches` cuts a stream into bounded lists; `map_all` runs a function over
+a list with a few threads, the caller's among them, each taking the next item from a shared
+counter; `Local` holds one zstd compressor and decompressor per thread. Why here: `delta`
+encodes, decodes and applies chunks with them, and their scheduling choices were measured on
+the loaded 2-core machine (see `map_all`).
 """
 
 import concurrent.futures

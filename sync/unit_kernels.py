@@ -221,15 +221,6 @@ def _make_dense_kernel(isz: int, fill: bool):
   return kernel
 
 
-if HAVE_NUMBA:
-  # Compiled on first use (numba compiles each dispatcher lazily).
-  _UNIT_KERNELS = {(isz, undo, want, fill): _make_unit_kernel(isz, undo, want, fill)
-                   for isz in (1, 2, 4, 8) for undo in (False, True)
-                   for want in (False, True) for fill in (False, True)}
-  _DENSE_KERNELS = {(isz, fill): _make_dense_kernel(isz, fill)
-                    for isz in (1, 2, 4, 8) for fill in (False, True)}
-
-
 def _make_swar16(fill: bool):
   """DENSE_UNIT for 16-bit words, four per u64 lane group (`fill` as `_make_dense_kernel`)."""
 
@@ -253,10 +244,13 @@ def _make_swar16(fill: bool):
 
 
 if HAVE_NUMBA:
+  # Every variant is compiled on first use (numba compiles each dispatcher lazily).
+  _UNIT_KERNELS = {(isz, undo, want, fill): _make_unit_kernel(isz, undo, want, fill)
+                   for isz in (1, 2, 4, 8) for undo in (False, True)
+                   for want in (False, True) for fill in (False, True)}
+  _DENSE_KERNELS = {(isz, fill): _make_dense_kernel(isz, fill)
+                    for isz in (1, 2, 4, 8) for fill in (False, True)}
   _SWAR16 = {fill: _make_swar16(fill) for fill in (False, True)}
-
-
-if HAVE_NUMBA:
 
   @numba.njit(nogil=True, cache=False)
   def _exceptions_nb(buf, e0, nexc, isz, limit, packed):
