@@ -160,14 +160,26 @@ def test_malformed_json_is_400(live):
 
 def test_backpressure_429_and_timeout_504(live):
   eng = live.server.engine
-  busy = eng.submit([1, 2, 3], SamplingParams(n=4, max_tokens=55, ignore_eos=True))
-  deadline = time.time() + 60
-  while eng.metrics()["active_slots"] < 4 and time.time() < deadline:
-    time.sleep(0.01)
-  queued = eng.submit([1, 2], SamplingParams(n=4, max_tokens=2))
-  status, out, headers = _post(live.port, "/v1/completions", {"prompt": [1], "max_tokens": 2})
-  assert status == 429 and headers["Retry-After"] == "1"
-  busy.cancel()
+  # The busy request's stream callback runs on the engine thread and waits on `gate`, so the
+  # engine holds all 4 slots until the test lets it go: the queue cannot drain however fast or
+  # slow this machine is.
+  entered, gate = threading.Event(), threading.Event()
+
+  def hold(*_):
+    entered.set()
+    gate.wait(60)
+
+  busy = eng.submit([1, 2, 3], SamplingParams(n=4, max_tokens=55, ignore_eos=True),
+                    on_tokens=hold)
+  try:
+    assert entered.wait(60)
+    assert eng.metrics()["active_slots"] == 4
+    queued = eng.submit([1, 2], SamplingParams(n=4, max_tokens=2))
+    status, out, headers = _post(live.port, "/v1/completions", {"prompt": [1], "max_tokens": 2})
+    assert status == 429 and headers["Retry-After"] == "1"
+  finally:
+    busy.cancel()
+    gate.set()
   assert len(queued.result(timeout=60)) == 4
   status, out, _ = _post(live.port, "/v1/completions",
                          {"prompt": [1], "max_tokens": 50, "timeout": 0.001, "ignore_eos": True})
