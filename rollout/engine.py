@@ -33,7 +33,6 @@ import time
 from typing import Callable, Mapping, Optional, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from moe import params as moe_params
@@ -119,9 +118,7 @@ class Engine:
   def _alloc_cache(self) -> None:
     cfg = self.model_config
     dt = self._params["embed"].dtype
-    shape = (self.config.max_slots, cfg.num_kv_heads, self.max_len, cfg.resolved_head_dim)
-    self._ck = tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers))
-    self._cv = tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers))
+    self._ck, self._cv = forward.empty_cache(cfg, self.config.max_slots, self.max_len, dt)
 
   def start(self) -> None:
     if self._thread is not None:

@@ -18,12 +18,6 @@ _prefill = jax.jit(forward.prefill, static_argnames=("cfg", "caps"))
 _decode_step = jax.jit(forward.decode_step, static_argnames=("cfg", "caps"))
 
 
-def _caches(cfg, b, s):
-  shape = (b, cfg.num_kv_heads, s, cfg.resolved_head_dim)
-  return (tuple(jnp.zeros(shape) for _ in range(cfg.num_layers)),
-          tuple(jnp.zeros(shape) for _ in range(cfg.num_layers)))
-
-
 VARIANTS = {
     "mixtral_like": {},
     "qwen3_like": dict(qk_norm=True, first_k_dense=1, norm_topk_prob=False, head_dim=16),
@@ -58,8 +52,8 @@ def test_prefill_then_decode_matches_full_forward(variant):
     np.testing.assert_array_equal(np.sort(routing[:, r, :lengths[r]], -1),
                                   np.sort(full.routing[:, r, :lengths[r]], -1))
   # Decode the remaining tokens one at a time from the prefilled cache.
-  ck, cv = _caches(cfg, 2, 32)
-  ck = tuple(c.at[:, :, :16].set(k) for c, k in zip(ck, ks))
+  ck, cv = forward.empty_cache(cfg, 2, 32)
+  ck = tuple(c.at[:, :, :, :16].set(k) for c, k in zip(ck, ks))
   cv = tuple(c.at[:, :, :16].set(v) for c, v in zip(cv, vs))
   pos = lengths.copy()
   dtiers = forward.capacity_tiers(2, cfg, (1.0,), False)

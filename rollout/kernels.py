@@ -38,7 +38,8 @@ def prefill_into_slots(params, cache_k, cache_v, tokens, lengths, dst_slot, src_
 
   Args:
     params: packed weights.
-    cache_k, cache_v: per-layer [B, KV, S, hd] slot caches (donated).
+    cache_k, cache_v: per-layer slot caches (donated): keys [B, KV, hd, S], values
+      [B, KV, S, hd] (rollout.forward.decode_step).
     tokens: int32 [P, L] prompts, right-padded; lengths int32 [P].
     dst_slot: int32 [M] slot to fill (M = B; padding entries hold B and are dropped).
     src_row: int32 [M] prompt row each slot samples from.
@@ -52,7 +53,7 @@ def prefill_into_slots(params, cache_k, cache_v, tokens, lengths, dst_slot, src_
   """
   logits, routing, ks, vs = forward.prefill(params, cfg, tokens, lengths, caps)
   t = tokens.shape[1]
-  cache_k = tuple(c.at[dst_slot, :, :t].set(k[src_row].astype(c.dtype), mode="drop")
+  cache_k = tuple(c.at[dst_slot, :, :, :t].set(k[src_row].astype(c.dtype), mode="drop")
                   for c, k in zip(cache_k, ks))
   cache_v = tuple(c.at[dst_slot, :, :t].set(v[src_row].astype(c.dtype), mode="drop")
                   for c, v in zip(cache_v, vs))
@@ -69,7 +70,7 @@ def decode_chunk(params, cache_k, cache_v, slots, *, cfg: ModelConfig, nb: int, 
 
   Args:
     params: packed weights.
-    cache_k, cache_v: per-layer [B, KV, S, hd] (donated).
+    cache_k, cache_v: per-layer keys [B, KV, hd, S] and values [B, KV, S, hd] (donated).
     slots: dict of SLOT_FIELDS arrays, each [B] ("stop" is [B, max_stop_ids]); only the first nb
       rows are used. `tok` is each slot's next input token at position `pos`; `remaining` counts
       tokens still to generate; inactive rows compute but emit nothing and do not advance.
@@ -80,10 +81,10 @@ def decode_chunk(params, cache_k, cache_v, slots, *, cfg: ModelConfig, nb: int, 
     [steps, nb], logprobs float32 [steps, nb], routing [steps, moe_layers, nb, k],
     valid bool [steps, nb], top_logprobs [steps, nb, top_n], top_ids [steps, nb, top_n]).
   """
-  b, s_len = cache_k[0].shape[0], cache_k[0].shape[2]
+  b, s_len = cache_v[0].shape[0], cache_v[0].shape[2]
   st = {k: v[:nb] for k, v in slots.items()}
   full = nb == b and sv == s_len
-  ck = cache_k if full else tuple(c[:nb, :, :sv] for c in cache_k)
+  ck = cache_k if full else tuple(c[:nb, :, :, :sv] for c in cache_k)
   cv = cache_v if full else tuple(c[:nb, :, :sv] for c in cache_v)
 
   def body(carry, _):
