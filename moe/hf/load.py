@@ -116,11 +116,15 @@ def load_pretrained(path: str | os.PathLike, *, dtype: Optional[str] = None,
         if piece.linear:
           x = x.T
         dst = buf if piece.dst is None else buf[piece.dst]
-        dst[...] = x.reshape(dst.shape).astype(buf.dtype)
+        dst[...] = x.reshape(dst.shape)  # casts in place: no full-size temporary
+        del x, dst  # not alive while the next piece or parameter is read
       target = sh_flat.get(path_)
       target = target.get_value() if isinstance(target, nnx.Variable) else target
-      var.set_value(jax.device_put(buf, target) if target is not None else jax.device_put(buf))
-      del buf
+      arr = jax.device_put(buf, target) if target is not None else jax.device_put(buf)
+      # Wait for the transfer: an asynchronous copy keeps `buf` alive, and on a busy host several
+      # would pile up, so host memory would no longer be bounded by one parameter at a time.
+      var.set_value(arr.block_until_ready())
+      del buf, arr
     model = nnx.merge(graphdef, state)
   setattr(model, ARCH_ATTR, arch)
   return model
