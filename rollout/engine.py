@@ -11,7 +11,8 @@ What:
     serving; in-flight requests continue with their KV caches and record the version per token.
 
 Design (see rollout/README.md for the measurements behind it):
-  * Slot-based KV cache, not paged: max_slots rows of [kv_heads, max_len, head_dim] per layer,
+  * Slot-based KV cache, not paged: max_slots rows per layer of keys [kv_heads, head_dim,
+    max_len] (transposed, see rollout.forward) and values [kv_heads, max_len, head_dim],
     allocated once. A request's n completions each take a slot and share one prefill (its KV is
     copied into the n slots). Paging would save memory for ragged lengths, but on this CPU the
     cache is small and a dense slot cache keeps decode attention a contiguous batched matvec with
