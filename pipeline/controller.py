@@ -29,6 +29,7 @@ from envs import tasks as tasks_lib
 from moe.tokenizer import ByteTokenizer
 from pipeline import episodes as episodes_lib
 from pipeline import grade_cache as grade_cache_lib
+from pipeline import samplers as samplers_lib
 from pipeline.config import PipelineConfig
 from rollout.sampling import SamplingParams
 
@@ -121,6 +122,14 @@ class RolloutController:
     def on_done(f):
       try:
         comps = f.result()
+      except samplers_lib.RequestRejected as e:
+        # Not an infrastructure failure: every attempt of every group would be refused the same
+        # way, and masking them would train on nothing. Stop the run with the sampler's reason.
+        with self._lock:
+          self._error = RuntimeError(
+              f"group {index} ({task.task_id}): the sampler rejected the request: {e}")
+          self._lock.notify_all()
+        return
       except Exception as e:  # pylint: disable=broad-except
         log.warning("group %d (%s): every sampler attempt failed: %s", index, task.task_id, e)
         comps = None
@@ -198,7 +207,7 @@ class RolloutController:
           launched += 1
         with self._lock:
           if self._error is not None:
-            raise RuntimeError("grading failed") from self._error
+            raise RuntimeError(f"rollout failed: {self._error}") from self._error
           if next_write not in self._finished:
             t0 = time.monotonic()
             self._lock.wait(timeout=0.02)

@@ -5,7 +5,8 @@ and route around samplers that fail.
 server over its OpenAI-compatible HTTP API (the multi-process deployment). `SamplerSet` sends each
 request to the live sampler with the least work in flight and, when a sampler fails a request
 (it died, its connection broke, it timed out), marks it dead and retries the request on another
-one, so no request is lost and none is answered twice.
+one, so no request is lost and none is answered twice. A request a sampler refuses as invalid
+(`RequestRejected`) is not retried: it is a bug in the request, and the controller stops on it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ log = logging.getLogger(__name__)
 
 class SamplerDown(RuntimeError):
   """A sampler cannot take or finish requests (dead process, stopped engine, broken link)."""
+
+
+class RequestRejected(ValueError):
+  """A sampler refused the request itself (HTTP 4xx / ValueError): a bug in the request, which
+  another sampler would refuse too, so it is neither retried nor counted against the sampler."""
 
 
 class EngineSampler:
@@ -68,7 +74,7 @@ class HttpSampler:
     except urllib.error.HTTPError as e:
       if e.code in (429, 500, 502, 503, 504):
         raise SamplerDown(f"{self.name}: HTTP {e.code}") from e
-      raise ValueError(f"{self.name}: HTTP {e.code}: {e.read()[:500]!r}") from e
+      raise RequestRejected(f"{self.name}: HTTP {e.code}: {e.read()[:500]!r}") from e
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
       raise SamplerDown(f"{self.name}: {e}") from e
 
@@ -194,6 +200,11 @@ class SamplerSet:
         else:
           result.set_result(comps)
           return
+      if isinstance(err, ValueError):  # RequestRejected, or the engine's own ValueError
+        self.failed_requests += 1
+        result.set_exception(err if isinstance(err, RequestRejected)
+                             else RequestRejected(f"{s.name}: {err}"))
+        return
       if isinstance(err, (SamplerDown, EngineStopped)) or not s_alive(s):
         self.mark_dead(s, str(err))
       if n + 1 >= self.max_attempts:

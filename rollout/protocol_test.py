@@ -41,7 +41,7 @@ def test_fields_map_to_sampling_params():
     ({"prompt": [1], "logit_bias": {"1": 2}}, "logit_bias"),
     ({"prompt": [1], "presence_penalty": 0.5}, "presence_penalty"),
     ({"prompt": [1], "seed": "1"}, "seed"),
-    ({"prompt": [1], "stop": ["a"] * 5}, "stop strings"),
+    ({"prompt": [1], "stop": ["a"] * (protocol.MAX_STOP_STRINGS + 1)}, "stop strings"),
     ({"prompt": [1], "stop_token_ids": [400]}, "outside the vocabulary"),
     ({"prompt": [1], "timeout": -1}, "timeout"),
     ({"prompt": [True]}, "prompt"),

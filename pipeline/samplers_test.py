@@ -1,0 +1,91 @@
+"""SamplerSet over real HTTP sampling servers (rollout.server on 127.0.0.1): requests complete,
+a server that goes away is routed around, and a request a server refuses is neither retried nor
+masked: the controller stops on it with the server's reason."""
+
+import asyncio
+import sys
+import threading
+
+import pytest
+
+from envs import pool as pool_lib
+from moe import build
+from moe import params as moe_params
+from moe.tokenizer import ByteTokenizer
+from pipeline import controller as controller_lib
+from pipeline import samplers as samplers_lib
+from pipeline import testing
+from rollout import server as server_lib
+from rollout.engine import Engine
+from rollout.sampling import SamplingParams
+
+
+class _LiveServer:
+  """A rollout Server on its own event-loop thread."""
+
+  def __init__(self, tokenizer):
+    flat = moe_params.flatten(build.create(testing.MODEL, seed=0))
+    self.engine = Engine.from_flat(flat, testing.MODEL, tokenizer=tokenizer,
+                                   config=testing.ENGINE)
+    self.loop = asyncio.new_event_loop()
+    self.server = server_lib.Server(self.engine)
+    threading.Thread(target=self.loop.run_forever, daemon=True).start()
+    port, _ = asyncio.run_coroutine_threadsafe(
+        self.server.start("127.0.0.1", 0, None), self.loop).result(60)
+    self.url = f"http://127.0.0.1:{port}"
+
+  def close(self):
+    if self.loop.is_running():
+      asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(60)
+      self.loop.call_soon_threadsafe(self.loop.stop)
+    self.engine.stop()
+
+
+@pytest.fixture
+def servers():
+  made = []
+  yield lambda tokenizer=ByteTokenizer(): made.append(_LiveServer(tokenizer)) or made[-1]
+  for s in made:
+    s.close()
+
+
+def test_requests_complete_and_a_dead_server_is_routed_around(servers):
+  a, b = servers(), servers()
+  sset = samplers_lib.SamplerSet([samplers_lib.HttpSampler(a.url), samplers_lib.HttpSampler(b.url)])
+  params = SamplingParams(n=2, max_tokens=4, temperature=1.0, seed=1, ignore_eos=True,
+                          stop=("\n\n", "\ndef ", "\nclass ", "\n#", "\nif __name__"))
+  comps = sset.submit([1, 2, 3], params, timeout=60).result(120)
+  assert len(comps) == 2 and all(1 <= len(c.token_ids) <= 4 for c in comps)
+  a.close()
+  for _ in range(3):  # whichever sampler is picked first, every request completes
+    assert len(sset.submit([1, 2, 3], params, timeout=60).result(120)) == 2
+  assert [s.base_url for s in sset.live()] == [b.url]
+
+
+def test_a_rejected_request_is_not_retried_nor_counted_as_a_dead_sampler(servers):
+  a, b = servers(tokenizer=None), servers(tokenizer=None)  # no tokenizer: stop strings are refused
+  sset = samplers_lib.SamplerSet([samplers_lib.HttpSampler(a.url), samplers_lib.HttpSampler(b.url)])
+  fut = sset.submit([1, 2, 3], SamplingParams(max_tokens=4, stop=("x",)), timeout=60)
+  with pytest.raises(samplers_lib.RequestRejected, match="stop"):
+    fut.result(120)
+  assert sset.retries == 0 and len(sset.live()) == 2
+  # The in-process sampler refuses the same request the same way.
+  eng = samplers_lib.SamplerSet([samplers_lib.EngineSampler(a.engine)])
+  with pytest.raises(ValueError, match="tokenizer"):
+    eng.submit([1, 2, 3], SamplingParams(max_tokens=4, stop=("x",)), timeout=60).result(120)
+
+
+def test_controller_stops_on_a_rejected_request_instead_of_masking_it(servers):
+  srv = servers(tokenizer=None)  # the controller's stop strings will be refused
+  sset = samplers_lib.SamplerSet([samplers_lib.HttpSampler(srv.url)])
+  written = []
+  with pool_lib.WarmPool(size=1) as pool:
+    ctl = controller_lib.RolloutController(testing.tasks(2), sset, pool, written.append,
+                                           config=testing.config())
+    with pytest.raises(RuntimeError, match="rejected the request.*stop"):
+      ctl.run(num_steps=1)
+  assert not written  # nothing was written as if it were an infrastructure failure
+
+
+if __name__ == "__main__":
+  sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
