@@ -134,8 +134,11 @@ class RolloutController:
         log.warning("group %d (%s): every sampler attempt failed: %s", index, task.task_id, e)
         comps = None
       gen_s = time.monotonic() - t0
-      self._grader.submit(self._grade_group, index, task, prompt_ids, comps, start_version,
-                          gen_s, self.samplers.retries - retries_before)
+      try:
+        self._grader.submit(self._grade_group, index, task, prompt_ids, comps, start_version,
+                            gen_s, self.samplers.retries - retries_before)
+      except RuntimeError:  # the run has ended (stopped or failed): nothing will write this group
+        log.info("group %d finished after the run ended; dropped", index)
 
     fut.add_done_callback(on_done)
 

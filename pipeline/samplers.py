@@ -12,6 +12,7 @@ one, so no request is lost and none is answered twice. A request a sampler refus
 from __future__ import annotations
 
 import concurrent.futures
+import http.client
 import json
 import logging
 import threading
@@ -71,6 +72,10 @@ class HttpSampler:
     try:
       with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
+    except json.JSONDecodeError as e:  # a body cut short by a dying server
+      raise SamplerDown(f"{self.name}: unreadable response ({e})") from e
+    except http.client.HTTPException as e:  # e.g. IncompleteRead
+      raise SamplerDown(f"{self.name}: {e!r}") from e
     except urllib.error.HTTPError as e:
       if e.code in (429, 500, 502, 503, 504):
         raise SamplerDown(f"{self.name}: HTTP {e.code}") from e
@@ -106,10 +111,14 @@ class HttpSampler:
     return self._executor.submit(self._complete, list(prompt_ids), params, timeout)
 
   def version(self) -> int:
-    with urllib.request.urlopen(self.base_url + "/metrics", timeout=5) as r:
-      for line in r.read().decode().splitlines():
-        if line.startswith("rollout_policy_version"):
-          return int(float(line.split()[-1]))
+    try:
+      with urllib.request.urlopen(self.base_url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    except (urllib.error.URLError, OSError) as e:  # refused, reset, timed out, HTTP errors
+      raise SamplerDown(f"{self.name}: /metrics: {e}") from e
+    for line in text.splitlines():
+      if line.startswith("rollout_policy_version"):
+        return int(float(line.split()[-1]))
     raise SamplerDown(f"{self.name}: /metrics has no policy_version")
 
   def alive(self) -> bool:
@@ -200,10 +209,9 @@ class SamplerSet:
         else:
           result.set_result(comps)
           return
-      if isinstance(err, ValueError):  # RequestRejected, or the engine's own ValueError
+      if isinstance(err, RequestRejected):
         self.failed_requests += 1
-        result.set_exception(err if isinstance(err, RequestRejected)
-                             else RequestRejected(f"{s.name}: {err}"))
+        result.set_exception(err)
         return
       if isinstance(err, (SamplerDown, EngineStopped)) or not s_alive(s):
         self.mark_dead(s, str(err))

@@ -57,7 +57,11 @@ def test_requests_complete_and_a_dead_server_is_routed_around(servers):
   comps = sset.submit([1, 2, 3], params, timeout=60).result(120)
   assert len(comps) == 2 and all(1 <= len(c.token_ids) <= 4 for c in comps)
   a.close()
-  for _ in range(3):  # whichever sampler is picked first, every request completes
+  with pytest.raises(samplers_lib.SamplerDown):
+    sset.samplers[0].version()
+  assert sset.min_version() == 0  # the dead server is marked down, not raised through
+  assert [s.base_url for s in sset.live()] == [b.url]
+  for _ in range(3):  # every request completes
     assert len(sset.submit([1, 2, 3], params, timeout=60).result(120)) == 2
   assert [s.base_url for s in sset.live()] == [b.url]
 
