@@ -95,7 +95,8 @@ print("groups written", n)
   learner_out = open(logs["learner"]).read()
   assert "learner step 3" in learner_out
   d = os.path.join(work, "trajectories")
-  recs = [r for s in trajectory_io.list_shards(d) for r in trajectory_io.read_shard(os.path.join(d, s))]
+  recs = [r for s in trajectory_io.list_shards(d)
+          for r in trajectory_io.read_shard(os.path.join(d, s))]
   gids = [r["group_id"] for r in recs]
   assert len(gids) == 6 * 4 and len(set(gids)) == 6  # every group once, 4 attempts each
   # Sampled over HTTP and graded: the killed sampler's requests were retried on the other one,

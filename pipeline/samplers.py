@@ -33,8 +33,8 @@ class SamplerDown(RuntimeError):
 
 
 class RequestRejected(ValueError):
-  """A sampler refused the request itself (HTTP 4xx / ValueError): a bug in the request, which
-  another sampler would refuse too, so it is neither retried nor counted against the sampler."""
+  """A sampler refused the request itself (HTTP 4xx): a bug in the request, which another
+  sampler would refuse too, so it is neither retried nor counted against the sampler."""
 
 
 class EngineSampler:
@@ -66,22 +66,26 @@ class HttpSampler:
     self.name = name or base_url
     self._executor = concurrent.futures.ThreadPoolExecutor(workers)
 
-  def _post(self, path: str, body: dict, timeout: Optional[float]) -> dict:
-    req = urllib.request.Request(self.base_url + path, data=json.dumps(body).encode(),
+  def _fetch(self, path: str, body: Optional[dict], timeout: Optional[float]) -> bytes:
+    """GET (body None) or POST JSON; returns the response body.
+
+    Raises:
+      RequestRejected: the server refused the request (HTTP 4xx other than 429).
+      SamplerDown: anything else (refused or reset connection, timeout, a body cut short,
+        HTTP 429 / 5xx).
+    """
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(self.base_url + path, data=data,
                                  headers={"Content-Type": "application/json"})
     try:
       with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
-    except json.JSONDecodeError as e:  # a body cut short by a dying server
-      raise SamplerDown(f"{self.name}: unreadable response ({e})") from e
-    except http.client.HTTPException as e:  # e.g. IncompleteRead
-      raise SamplerDown(f"{self.name}: {e!r}") from e
+        return r.read()
     except urllib.error.HTTPError as e:
       if e.code in (429, 500, 502, 503, 504):
-        raise SamplerDown(f"{self.name}: HTTP {e.code}") from e
-      raise RequestRejected(f"{self.name}: HTTP {e.code}: {e.read()[:500]!r}") from e
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
-      raise SamplerDown(f"{self.name}: {e}") from e
+        raise SamplerDown(f"{self.name}: {path}: HTTP {e.code}") from e
+      raise RequestRejected(f"{self.name}: {path}: HTTP {e.code}: {e.read()[:500]!r}") from e
+    except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
+      raise SamplerDown(f"{self.name}: {path}: {e!r}") from e
 
   def _complete(self, prompt_ids, params: SamplingParams, timeout) -> list:
     body = {"model": "policy", "prompt": [int(t) for t in prompt_ids], "n": params.n,
@@ -93,7 +97,11 @@ class HttpSampler:
       body["timeout"] = timeout
     if params.stop:
       body["stop"] = list(params.stop)
-    out = self._post("/v1/completions", body, None if timeout is None else timeout + 30)
+    raw = self._fetch("/v1/completions", body, None if timeout is None else timeout + 30)
+    try:
+      out = json.loads(raw)
+    except json.JSONDecodeError as e:  # a body cut short by a dying server
+      raise SamplerDown(f"{self.name}: unreadable response ({e})") from e
 
     def arr(x):  # [moe_layers][positions][k] lists -> uint8 array
       return None if x is None else np.asarray(x, np.uint8)
@@ -111,12 +119,7 @@ class HttpSampler:
     return self._executor.submit(self._complete, list(prompt_ids), params, timeout)
 
   def version(self) -> int:
-    try:
-      with urllib.request.urlopen(self.base_url + "/metrics", timeout=5) as r:
-        text = r.read().decode()
-    except (urllib.error.URLError, OSError) as e:  # refused, reset, timed out, HTTP errors
-      raise SamplerDown(f"{self.name}: /metrics: {e}") from e
-    for line in text.splitlines():
+    for line in self._fetch("/metrics", None, 5).decode().splitlines():
       if line.startswith("rollout_policy_version"):
         return int(float(line.split()[-1]))
     raise SamplerDown(f"{self.name}: /metrics has no policy_version")
@@ -125,7 +128,7 @@ class HttpSampler:
     try:
       with urllib.request.urlopen(self.base_url + "/health", timeout=5) as r:
         return r.status == 200
-    except (urllib.error.URLError, OSError):
+    except (urllib.error.URLError, http.client.HTTPException, OSError):
       return False
 
 
