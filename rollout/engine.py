@@ -38,8 +38,10 @@ import numpy as np
 
 from moe import params as moe_params
 from moe.config import ModelConfig
+from rollout import delta_swap
 from rollout import forward
 from rollout import kernels
+from rollout import request_checks
 from rollout import weights as weights_lib
 from rollout.engine_types import (Completion, EngineConfig, EngineStopped, PreparedWeights,
                                   QueueFull, RequestHandle, Sample)
@@ -112,6 +114,7 @@ class Engine:
     self._rng = np.random.default_rng()
     self.stats = collections.Counter()
     self._tok_window: collections.deque = collections.deque()  # (time, tokens)
+    self._delta_swapper = delta_swap.DeltaSwapper(self)
     self.last_swap: dict = {}
     if start:
       self.start()
@@ -184,17 +187,8 @@ class Engine:
 
   def _make_handle(self, prompt_token_ids, params: SamplingParams, timeout, on_tokens):
     """Validates one request (ValueError with a clear message) and builds its handle."""
-    prompt = self._check_prompt(prompt_token_ids, params)
-    stop_ids = tuple(sorted(set(params.stop_token_ids) | (
-        set() if params.ignore_eos else set(self.config.eos_token_ids))))
-    for t in stop_ids:
-      if t >= self.model_config.vocab_size:
-        raise ValueError(f"stop token id {t} is outside the vocabulary "
-                         f"(size {self.model_config.vocab_size})")
-    if len(stop_ids) > self.config.max_stop_ids:
-      raise ValueError(f"at most {self.config.max_stop_ids} stop token ids, got {len(stop_ids)}")
-    if params.stop and self.tokenizer is None:
-      raise ValueError("stop strings need a tokenizer; this engine has none")
+    prompt, stop_ids = request_checks.check_request(
+        prompt_token_ids, params, self.model_config, self.config, self.max_len, self.tokenizer)
     if params.seed is None:
       params = dataclasses.replace(params, seed=int(self._rng.integers(0, 2**32)))
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -271,64 +265,18 @@ class Engine:
   def swap_delta(self, blob: bytes, version: int) -> dict:
     """Applies a `sync.delta` blob to the served weights in place, then swaps the result in.
 
-    Only the changed elements are written (`delta.apply_inplace`), into host arrays this engine
-    owns: a copy of the served weights taken once when they came from elsewhere (start-up,
-    `swap_weights`), so a caller's arrays are never written; after that each delta swap updates
-    the arrays of the previous one. The held version is named by its digest, so the delta is
-    checked by its changes (check="changes") and a blob for another parent is refused.
-
-    All or nothing: a damaged blob, one for another parent version, or one whose result would
-    not fit the model raises (delta.DeltaError / ValueError) before anything changes; if the
-    swap fails after the apply, the delta is reversed so the held arrays are the served version
-    again. Note that `current_flat()` then returns the held arrays, which the next delta swap
-    updates in place (copy them to keep a version).
+    Only the changed elements are written, into host arrays the engine owns (copied once from
+    weights that came from elsewhere, so a caller's arrays are never written); the delta must
+    be for the served version. All or nothing: a damaged blob, one for another parent, or one
+    that would not fit the model raises before anything changes, and a failed swap reverses
+    the apply (rollout.delta_swap). `current_flat()` then returns the held arrays, which the
+    next delta swap updates in place (copy them to keep a version).
 
     Returns:
       `swap_weights`' timings plus "decode_s" (copy on first use, digest, apply in place;
       packing is "prepare_s").
     """
-    from sync import delta  # imported here: only delta swaps need the codec
-    from sync import weights as sync_weights
-    with self._cv_lock:
-      lock = self.__dict__.setdefault("_delta_lock", threading.Lock())
-    with lock:  # one delta swap at a time: they share the held arrays
-      t0 = time.perf_counter()
-      head = delta.read_header(blob)
-      # Refuse a result that would not fit the model before writing anything.
-      weights_lib.validate({name: np.broadcast_to(np.zeros((), np.uint8), shape)
-                            for name, _, shape, _ in head["tensors"]}, self.model_config)
-      held, digest, chunk_elems = getattr(self, "_delta_held", (None, None, None))
-      if held is not self._flat:  # served weights from elsewhere: take our own copy, once
-        held = {k: np.array(v, order="C", copy=True) for k, v in self._flat.items()}
-        digest = None
-      if digest is None or chunk_elems != head["chunk_elems"]:
-        chunk_elems = head["chunk_elems"]
-        digest = sync_weights.digest(held, chunk_elems)
-      self._delta_held = (held, digest, chunk_elems)
-      new_flat, stats = delta.apply_inplace(held, blob, expect_parent=digest)
-      decoded = time.perf_counter() - t0
-      try:
-        prepared = self.prepare_weights(new_flat)
-        # The packed weights must not share memory with the arrays the next delta writes
-        # (jax copies host arrays once they are ready, but may alias them on some backends).
-        spans = [(a.__array_interface__["data"][0], a.nbytes, k) for k, a in held.items()]
-        for leaf in jax.tree.leaves(prepared.params):
-          try:
-            p0, p1 = leaf.unsafe_buffer_pointer(), leaf.unsafe_buffer_pointer() + leaf.nbytes
-          except (AttributeError, RuntimeError, ValueError):
-            continue  # not a single host-visible buffer
-          for a0, n, k in spans:
-            if a0 < p1 and p0 < a0 + n:
-              prepared.flat[k] = np.array(prepared.flat[k], copy=True)
-        out = self.swap_weights(prepared, version)
-      except BaseException:
-        self._delta_held = (None, None, None)  # until the reversal below is proven
-        delta.apply_inplace(held, blob, reverse=True)  # back to the served version
-        self._delta_held = (held, digest, chunk_elems)
-        raise
-      self._delta_held = (prepared.flat, stats.digest, chunk_elems)
-    out["decode_s"] = decoded
-    return out
+    return self._delta_swapper.swap(blob, version)
 
   def current_flat(self) -> dict:
     """The flat weights being served (numpy; do not modify)."""
@@ -350,30 +298,6 @@ class Engine:
               "tokens_per_second": recent / 10.0,
               "policy_version": self.version,
               "last_swap_pause_seconds": self.last_swap.get("pause_s", 0.0)}
-
-  # ------------------------------------------------------------------ validation
-  def _check_prompt(self, prompt_token_ids, params: SamplingParams) -> list:
-    if not isinstance(params, SamplingParams):
-      raise TypeError("params must be a rollout.sampling.SamplingParams")
-    try:
-      prompt = [int(t) for t in prompt_token_ids]
-    except (TypeError, ValueError):
-      raise ValueError("prompt_token_ids must be a sequence of integers") from None
-    if any(isinstance(t, bool) or t != int(t) for t in prompt_token_ids):
-      raise ValueError("prompt_token_ids must be integers")
-    if not prompt:
-      raise ValueError("the prompt is empty")
-    v = self.model_config.vocab_size
-    for i, t in enumerate(prompt):
-      if not 0 <= t < v:
-        raise ValueError(f"token id {t} at prompt position {i} is outside the vocabulary "
-                         f"(size {v})")
-    if len(prompt) + params.max_tokens > self.max_len:
-      raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                       f"the context length {self.max_len}")
-    if params.n > self.config.max_slots:
-      raise ValueError(f"n ({params.n}) exceeds the engine's slots ({self.config.max_slots})")
-    return prompt
 
   # ------------------------------------------------------------------ serving loop
   def _loop(self) -> None:
