@@ -106,15 +106,17 @@ def ffn(x, lp, cfg: ModelConfig, caps: tuple):
   """Feed-forward of one layer on flat tokens x [N, D] -> (y [N, D], idx [N, k] or None)."""
   if "mlp_gu" in lp:
     return _swiglu(x, lp["mlp_gu"], lp["mlp_d"]), None
-  idx, gates = _route(x, lp, cfg)
+  with jax.named_scope("router"):
+    idx, gates = _route(x, lp, cfg)
   w_gu, w_d = lp["experts_gu"], lp["experts_d"]
-  if len(caps) == 1:
-    y = _dispatch(x, idx, gates, w_gu, w_d, caps[0])
-  else:
-    counts = jnp.sum(jax.nn.one_hot(idx.reshape(-1), cfg.num_experts, dtype=jnp.int32), axis=0)
-    tier = jnp.searchsorted(jnp.asarray(caps, jnp.int32), jnp.max(counts))
-    branches = [lambda x, idx, g, c=c: _dispatch(x, idx, g, w_gu, w_d, c) for c in caps]
-    y = jax.lax.switch(jnp.minimum(tier, len(caps) - 1), branches, x, idx, gates)
+  with jax.named_scope("experts"):
+    if len(caps) == 1:
+      y = _dispatch(x, idx, gates, w_gu, w_d, caps[0])
+    else:
+      counts = jnp.sum(jax.nn.one_hot(idx.reshape(-1), cfg.num_experts, dtype=jnp.int32), axis=0)
+      tier = jnp.searchsorted(jnp.asarray(caps, jnp.int32), jnp.max(counts))
+      branches = [lambda x, idx, g, c=c: _dispatch(x, idx, g, w_gu, w_d, c) for c in caps]
+      y = jax.lax.switch(jnp.minimum(tier, len(caps) - 1), branches, x, idx, gates)
   if "shared_gu" in lp:
     y = y + _swiglu(x, lp["shared_gu"], lp["shared_d"]).astype(y.dtype)
   return y, idx
@@ -166,26 +168,33 @@ def decode_step(params, cfg: ModelConfig, tokens, positions, cache_k, cache_v, c
   s_len = cache_v[0].shape[2]
   mask = jnp.arange(s_len)[None, :] <= positions[:, None]  # [B, S]
   new_k, new_v, routing = [], [], []
+  # The named scopes only label the compiled ops (tools/profile_sampler.py groups time by them).
   for li, lp in enumerate(params["layers"]):
-    hx = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    q, k, v = _qkv(hx[:, None], lp, cfg, positions[:, None])
-    ck = cache_k[li].at[rows, :, :, positions].set(k[:, 0].astype(cache_k[li].dtype),
-                                                   mode="drop")
-    cv = cache_v[li].at[rows, :, positions].set(v[:, 0].astype(cache_v[li].dtype), mode="drop")
+    with jax.named_scope("qkv"):
+      hx = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+      q, k, v = _qkv(hx[:, None], lp, cfg, positions[:, None])
+    with jax.named_scope("kv_write"):
+      ck = cache_k[li].at[rows, :, :, positions].set(k[:, 0].astype(cache_k[li].dtype),
+                                                     mode="drop")
+      cv = cache_v[li].at[rows, :, positions].set(v[:, 0].astype(cache_v[li].dtype), mode="drop")
     new_k.append(ck)
     new_v.append(cv)
-    qg = q[:, 0].reshape(b, kvh, g, hd)
-    scores = jnp.sum(qg.astype(jnp.float32)[..., None] * ck.astype(jnp.float32)[:, :, None],
-                     axis=-2) * (hd ** -0.5)  # [B, KV, G, S]
-    scores = jnp.where(mask[:, None, None, :], scores, _NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    att = jnp.einsum("bkgs,bksd->bkgd", probs, cv.astype(dt)).reshape(b, -1)
-    x = x + (att @ lp["wo"]).astype(x.dtype)
-    f, idx = ffn(rms_norm(x, lp["ffn_norm"], cfg.rms_norm_eps), lp, cfg, caps)
-    x = x + f.astype(x.dtype)
+    with jax.named_scope("attention"):
+      qg = q[:, 0].reshape(b, kvh, g, hd)
+      scores = jnp.sum(qg.astype(jnp.float32)[..., None] * ck.astype(jnp.float32)[:, :, None],
+                       axis=-2) * (hd ** -0.5)  # [B, KV, G, S]
+      scores = jnp.where(mask[:, None, None, :], scores, _NEG_INF)
+      probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+      att = jnp.einsum("bkgs,bksd->bkgd", probs, cv.astype(dt)).reshape(b, -1)
+    with jax.named_scope("out_proj"):
+      x = x + (att @ lp["wo"]).astype(x.dtype)
+    with jax.named_scope("ffn"):
+      f, idx = ffn(rms_norm(x, lp["ffn_norm"], cfg.rms_norm_eps), lp, cfg, caps)
+      x = x + f.astype(x.dtype)
     if idx is not None:
       routing.append(idx)
-  logits = _head(rms_norm(x, params["final_norm"], cfg.rms_norm_eps), params, cfg)
+  with jax.named_scope("lm_head"):
+    logits = _head(rms_norm(x, params["final_norm"], cfg.rms_norm_eps), params, cfg)
   routing = (jnp.stack(routing) if routing
              else jnp.zeros((0, b, cfg.num_experts_per_tok), jnp.int32))
   return logits, routing, tuple(new_k), tuple(new_v)

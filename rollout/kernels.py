@@ -84,14 +84,16 @@ def decode_chunk(params, cache_k, cache_v, slots, *, cfg: ModelConfig, nb: int, 
   b, s_len = cache_v[0].shape[0], cache_v[0].shape[2]
   st = {k: v[:nb] for k, v in slots.items()}
   full = nb == b and sv == s_len
-  ck = cache_k if full else tuple(c[:nb, :, :, :sv] for c in cache_k)
-  cv = cache_v if full else tuple(c[:nb, :, :sv] for c in cache_v)
+  with jax.named_scope("cache_window"):
+    ck = cache_k if full else tuple(c[:nb, :, :, :sv] for c in cache_k)
+    cv = cache_v if full else tuple(c[:nb, :, :sv] for c in cache_v)
 
   def body(carry, _):
     ck, cv, c = carry
     logits, routing, ck, cv = forward.decode_step(params, cfg, c["tok"], c["pos"], ck, cv, caps)
-    tok, lp, top_lp, top_ids = sampling.sample(logits, st["temp"], st["top_k"], st["top_p"],
-                                               st["seed"], st["sample"], c["tindex"], top_n)
+    with jax.named_scope("sampling"):
+      tok, lp, top_lp, top_ids = sampling.sample(logits, st["temp"], st["top_k"], st["top_p"],
+                                                 st["seed"], st["sample"], c["tindex"], top_n)
     valid = c["active"]
     remaining = c["remaining"] - valid.astype(jnp.int32)
     stopped = jnp.any(tok[:, None] == st["stop"], axis=-1) | (remaining <= 0)
@@ -107,6 +109,7 @@ def decode_chunk(params, cache_k, cache_v, slots, *, cfg: ModelConfig, nb: int, 
   init = {k: st[k] for k in CARRIED}
   (ck, cv, carried), outs = jax.lax.scan(body, (ck, cv, init), None, length=steps)
   if not full:
-    ck = tuple(jax.lax.dynamic_update_slice(c, s, (0, 0, 0, 0)) for c, s in zip(cache_k, ck))
-    cv = tuple(jax.lax.dynamic_update_slice(c, s, (0, 0, 0, 0)) for c, s in zip(cache_v, cv))
+    with jax.named_scope("cache_window"):
+      ck = tuple(jax.lax.dynamic_update_slice(c, s, (0, 0, 0, 0)) for c, s in zip(cache_k, ck))
+      cv = tuple(jax.lax.dynamic_update_slice(c, s, (0, 0, 0, 0)) for c, s in zip(cache_v, cv))
   return ck, cv, carried, outs
