@@ -126,9 +126,9 @@ class HttpSampler:
 
   def alive(self) -> bool:
     try:
-      with urllib.request.urlopen(self.base_url + "/health", timeout=5) as r:
-        return r.status == 200
-    except (urllib.error.URLError, http.client.HTTPException, OSError):
+      self._fetch("/health", None, 5)
+      return True
+    except (SamplerDown, RequestRejected):
       return False
 
 
