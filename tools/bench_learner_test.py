@@ -1,23 +1,59 @@
-"""The learner benchmark runs end to end on a very small config and reports sane numbers."""
+"""The learner benchmark on a very small config: its figures, on a scripted clock, are exact."""
 
 import sys
 
+import numpy as np
 import pytest
 
 from moe.config import ModelConfig
 from tools import bench_learner
 
 
-def test_bench_runs_and_reports_mfu():
-  cfg = ModelConfig(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                    intermediate_size=64, moe_intermediate_size=32, num_experts=4,
-                    num_experts_per_tok=2, max_seq_len=16)
-  r = bench_learner.bench(cfg, seq_len=16, batch_rows=2, steps=2, warmup=1,
+CFG = ModelConfig(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                  intermediate_size=64, moe_intermediate_size=32, num_experts=4,
+                  num_experts_per_tok=2, max_seq_len=16)
+# Model FLOPs of one trained token of CFG at length 16, counted by hand (PaLM appendix B:
+# 6 x the parameters a token multiplies with + 12 L H D_head T for attention):
+#   attention q, k, v, o: 32*2*16 + 2*(32*1*16) + 2*16*32 = 3072; two norms 64;
+#   the 2 routed experts it uses: 2 * 3*32*32 = 6144; router 32*4 = 128; final norm 32;
+#   LM head 32*32 = 1024 (untied; the embedding lookup is no matmul)  -> 10464 parameters;
+#   attention: 12 * 1 layer * 2 heads * 16 * 16 tokens = 6144.
+FLOPS_PER_TOKEN = 6 * 10464 + 6144
+
+
+class _Clock:
+  """Stands in for `time` in tools.bench_learner: each train step takes `step_s` seconds."""
+
+  def __init__(self, step_s):
+    self.now, self.step_s = 0.0, step_s
+
+  def perf_counter(self):
+    return self.now
+
+
+def test_bench_reports_throughput_and_mfu_of_known_steps(monkeypatch):
+  """With a clock on which every train step takes 0.25 s, the report's figures follow from the
+  batch (2 rows x 16 tokens), the hand-counted FLOPs and the given peak; warm-up steps must not
+  count. A wrong token count, FLOP count, averaging or peak fails."""
+  clock = _Clock(0.25)
+
+  class TimedLearner(bench_learner.Learner):
+
+    def train_step(self, batch):
+      out = super().train_step(batch)
+      clock.now += clock.step_s
+      return out
+
+  monkeypatch.setattr(bench_learner, "time", clock)
+  monkeypatch.setattr(bench_learner, "Learner", TimedLearner)
+  r = bench_learner.bench(CFG, seq_len=16, batch_rows=2, steps=2, warmup=1,
                           objective="policy", mesh_shape=(1, 1, 1, 1), micro_batches=1,
-                          peak_tflops=1.0)
-  assert r["tokens_per_s"] > 0 and r["step_time_s"] > 0
-  assert 0 < r["mfu"] < 1
-  assert r["mfu"] == pytest.approx(r["model_tflops_per_s"] / 1.0)
+                          peak_tflops=1e-6)
+  tokens_per_s = 2 * 16 / 0.25
+  assert r["step_time_s"] == 0.25 and r["tokens_per_s"] == tokens_per_s
+  assert r["model_tflops_per_s"] == pytest.approx(tokens_per_s * FLOPS_PER_TOKEN / 1e12)
+  assert r["mfu"] == pytest.approx(tokens_per_s * FLOPS_PER_TOKEN / 1e6)  # peak: 1 MFLOP/s
+  assert r["devices"] == 1 and np.isfinite(r["final_loss"])
 
 
 def test_cli_rejects_unknown_chip():
