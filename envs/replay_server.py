@@ -1,9 +1,13 @@
 """A small real HTTP server that speaks the OpenAI completions protocol, replaying scripted text.
 
-For tests of the HTTP path (`envs.openai_policy`) end to end: real sockets, real JSON, the
-project server's extra fields (`token_ids`, `routing`, `policy_version`,
-`logprobs.token_logprobs`). It does not pretend to be a model: responses are scripted. It
-honours `stop` (and `include_stop_str_in_output`), `max_tokens` and `n`, and records requests.
+For tests of the HTTP path (`envs.openai_policy`) that a model cannot drive: multi-turn
+tool-using episodes that solve a task, and the behaviour of other OpenAI-compatible servers
+(vLLM-style `include_stop_str_in_output`, stop strings dropped, no extra fields, text prompts).
+Real sockets, real JSON; it does not pretend to be a model: responses are scripted. With
+`with_extras` it adds the project server's field names (`token_ids`, `routing`,
+`policy_version`) in the contract's shapes, so routing and versions flow through an episode;
+the project's server itself is tested in `tests/openai_policy_server_test.py`. It honours
+`stop` (and `include_stop_str_in_output`), `max_tokens` and `n`, and records requests.
 """
 
 from __future__ import annotations
