@@ -1,6 +1,7 @@
 """Tests for the sampler side: catch-up, reports, and every rejected-delta fault."""
 
 import sys
+import time
 
 import pytest
 
@@ -15,12 +16,16 @@ from sync import weights
 
 
 class Sampler:
-  """Stands in for the sampling server's swap: records what it was handed."""
+  """Stands in for the sampling server's swap: records what it was handed. With `clock`, each
+  swap moves that clock on by `swap_s` seconds (a swap of known length)."""
 
-  def __init__(self):
+  def __init__(self, clock=None, swap_s=0.0):
     self.applied = []
+    self.clock, self.swap_s = clock, swap_s
 
   def __call__(self, flat, version):
+    if self.clock is not None:
+      self.clock.offset += self.swap_s
     # A copy: with Subscriber(inplace=True) the arrays handed over change after this call.
     self.applied.append((version, {k: v.copy() for k, v in flat.items()}))
 
@@ -36,8 +41,23 @@ def _setup(tmp_path, n=1, inplace=False, **kw):
   return st, pub, hist, sampler, subscriber.Subscriber(st, sampler, inplace=inplace)
 
 
-def test_follows_each_version_and_reports(tmp_path):
-  st, pub, hist, sampler, sub = _setup(tmp_path)
+class _Clock:
+  """`time` for sync.subscriber: the real perf_counter plus what the sampler's swaps added."""
+
+  def __init__(self):
+    self.offset = 0.0
+
+  def perf_counter(self):
+    return time.perf_counter() + self.offset
+
+
+def test_follows_each_version_and_reports(tmp_path, monkeypatch):
+  st, pub, hist, _, sub = _setup(tmp_path)
+  # Each swap takes 1000 s more on the subscriber's clock: the pause must hold them, and the
+  # fetch and decode times must not.
+  clock = _Clock()
+  monkeypatch.setattr(subscriber, "time", clock)
+  sampler = sub.apply_fn = Sampler(clock, swap_s=1000.0)
   r = sub.poll()
   assert r.steps == [("snapshot", 0)] and sub.poll() is None
   for v in range(1, 4):
@@ -45,7 +65,8 @@ def test_follows_each_version_and_reports(tmp_path):
     r = sub.poll()
     assert r.version == v and r.from_version == v - 1 and r.steps == [("delta", v)]
     assert rep.delta_bytes < r.bytes_moved < rep.delta_bytes + 4096  # + manifest
-    assert r.pause_s >= 0 and r.decode_s > 0 and not r.recovered
+    assert r.pause_s >= 1000.0
+    assert 0 < r.decode_s < 1000.0 and 0 < r.fetch_s < 1000.0 and not r.recovered
     assert testing.same_bits(sampler.applied[-1][1], hist[v])
   assert [v for v, _ in sampler.applied] == [0, 1, 2, 3]
 
