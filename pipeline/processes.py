@@ -12,6 +12,7 @@ weights, the controller resumes after the last group it wrote.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -29,6 +30,28 @@ def paths(workdir: str) -> dict:
   return {"trajectories": os.path.join(w, "trajectories"),
           "weights": "file://" + os.path.join(w, "weights"),
           "checkpoints": os.path.join(w, "checkpoints")}
+
+
+STEP_LINE = "learner step "
+
+
+def step_line(step: int, metrics: dict, info: dict) -> str:
+  """The learner's log line per step: `learner step N {json}`, the figures that show the step
+  trained (episodes and tokens in its batch, loss, policy version) and its data's staleness."""
+  return STEP_LINE + f"{step} " + json.dumps({
+      "loss": float(metrics["loss"]), "tokens": float(metrics["tokens"]),
+      "trained_episodes": int(info["trained_episodes"]), "episodes": int(info["episodes"]),
+      "policy_version": int(metrics["policy_version"]), "max_lag": int(info["max_lag"])})
+
+
+def parse_step_lines(text: str) -> list[dict]:
+  """The per-step records in a learner's output (`step_line` lines), in order, with `step`."""
+  out = []
+  for line in text.splitlines():
+    if line.startswith(STEP_LINE):
+      step, record = line[len(STEP_LINE):].split(" ", 1)
+      out.append(dict(json.loads(record), step=int(step)))
+  return out
 
 
 def run_learner(workdir: str, model_cfg: ModelConfig, config: PipelineConfig, *, steps: int,
@@ -61,9 +84,7 @@ def run_learner(workdir: str, model_cfg: ModelConfig, config: PipelineConfig, *,
   loop = LearnerLoop(learner, StepBatcher(p["trajectories"], config=config, spec=spec),
                      publish=channel.publish, published_version=channel.latest,
                      checkpoints=ckpt, checkpoint_every=checkpoint_every,
-                     on_step=lambda s, m, i: print(
-                         f"learner step {s} loss {m['loss']:.4f} max lag {i['max_lag']}",
-                         flush=True))
+                     on_step=lambda s, m, i: print(step_line(s, m, i), flush=True))
   if loop.restore():
     print(f"learner restored at step {learner.step}", flush=True)
   loop.run(steps)

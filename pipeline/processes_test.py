@@ -13,6 +13,9 @@ import urllib.request
 
 import pytest
 
+from pipeline import processes
+from pipeline import testing
+from rl import testing as rl_testing
 from rl import trajectory_io
 
 
@@ -93,7 +96,15 @@ print("groups written", n)
   out = open(logs["controller"]).read()
   assert "groups written 6" in out
   learner_out = open(logs["learner"]).read()
-  assert "learner step 3" in learner_out
+  # The learner trained on what the samplers produced: every step packed all its episodes
+  # (none refused, none lost with the killed sampler), and the weights it published last differ
+  # from the initial ones it published as version 0.
+  rl_testing.assert_steps_trained(processes.parse_step_lines(learner_out), steps=3,
+                                  episodes_per_step=testing.config().episodes_per_step)
+  initial, _ = testing.published_weights(work, 0)
+  final, version = testing.published_weights(work)
+  assert version == 3
+  rl_testing.assert_weights_changed(initial, final)
   d = os.path.join(work, "trajectories")
   recs = [r for s in trajectory_io.list_shards(d)
           for r in trajectory_io.read_shard(os.path.join(d, s))]

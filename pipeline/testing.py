@@ -1,6 +1,10 @@
-"""Tiny pipeline fixtures for tests: a small model, learner, tasks and settings."""
+"""Tiny pipeline fixtures for tests: a small model, learner, tasks and settings, and the
+weights a run published (the end-to-end tests compare the first and last versions)."""
 
 from __future__ import annotations
+
+import os
+from typing import Optional
 
 from envs import suite_pyfunc
 from moe import sharding
@@ -10,6 +14,8 @@ from rl.learner import Learner
 from rl.train_state import OptimizerConfig
 from rl.train_step import LossConfig
 from rollout.engine import EngineConfig
+from sync import publisher as publisher_lib
+from sync import store as store_lib
 
 MODEL = ModelConfig(vocab_size=259, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
                     intermediate_size=64, moe_intermediate_size=32, num_experts=4,
@@ -33,3 +39,13 @@ def learner(max_staleness: int = 1, seed: int = 0) -> Learner:
                  opt_cfg=OptimizerConfig(learning_rate=1e-3),
                  loss_cfg=LossConfig(objective="policy", max_staleness=max_staleness),
                  sampler_dtype="float32", seed=seed)
+
+
+def published_weights(workdir: str, version: Optional[int] = None) -> tuple[dict, int]:
+  """(flat weights, version) a run published to <workdir>/weights (default: the newest).
+
+  Version 0 is the learner's initial weights (pipeline.learner_loop publishes them before the
+  first step), so version 0 against the newest shows whether training moved the weights.
+  """
+  url = "file://" + os.path.join(os.path.abspath(workdir), "weights")
+  return publisher_lib.restore(store_lib.Store(url), version)
