@@ -84,8 +84,27 @@ def save_params(model: MoEDecoder, path: str) -> None:
     ckptr.save(path, ocp.args.Composite(**save_args(flat, model.config)))
 
 
-def load_config(path: str) -> ModelConfig:
+def _require_checkpoint(path: str, items=(PARAMS_ITEM, CONFIG_ITEM)) -> str:
+  """The absolute `path`, after checking it holds the checkpoint items `items`.
+
+  Raises:
+    FileNotFoundError: naming the path and what is missing (orbax would raise a bare KeyError
+      for a directory that is not a model checkpoint, e.g. a Hugging Face one).
+  """
   path = os.path.abspath(path)
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f"no model checkpoint at {path}: no such directory")
+  missing = [i for i in items if not os.path.isdir(os.path.join(path, i))]
+  if missing:
+    raise FileNotFoundError(f"{path} is not a model checkpoint: it has no {missing} item "
+                            f"(moe.checkpoint.save_params and rl.checkpointing write "
+                            f"{PARAMS_ITEM}/ and {CONFIG_ITEM}/)")
+  return path
+
+
+def load_config(path: str) -> ModelConfig:
+  """The ModelConfig of the checkpoint at `path` (raises FileNotFoundError if there is none)."""
+  path = _require_checkpoint(path, (CONFIG_ITEM,))
   with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
     restored = ckptr.restore(path, ocp.args.Composite(**{CONFIG_ITEM: ocp.args.JsonRestore()}))
   return config_from_json(restored[CONFIG_ITEM])
@@ -93,7 +112,7 @@ def load_config(path: str) -> ModelConfig:
 
 def _restore_flat(path: str, targets: Mapping[str, jax.ShapeDtypeStruct]) -> dict:
   with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
-    restored = ckptr.restore(os.path.abspath(path), ocp.args.Composite(
+    restored = ckptr.restore(_require_checkpoint(path), ocp.args.Composite(
         **{PARAMS_ITEM: ocp.args.StandardRestore(nest(targets))}))
   flat = unnest(restored[PARAMS_ITEM])
   if set(flat) != set(targets):

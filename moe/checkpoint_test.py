@@ -59,8 +59,13 @@ def test_unknown_config_field_rejected():
 
 
 def test_missing_checkpoint_raises(tmp_path):
-  with pytest.raises(Exception):
+  with pytest.raises(FileNotFoundError, match="no model checkpoint at .*nope: no such directory"):
     checkpoint.load_model(str(tmp_path / "nope"))
+  # A directory that is not a model checkpoint (here: only the params item) says what it lacks.
+  (tmp_path / "half" / checkpoint.PARAMS_ITEM).mkdir(parents=True)
+  for load in (checkpoint.load_model, checkpoint.load_params_flat, checkpoint.load_config):
+    with pytest.raises(FileNotFoundError, match=r"half is not a model checkpoint: .*model_config"):
+      load(str(tmp_path / "half"))
 
 
 def test_nest_unnest_inverse():
