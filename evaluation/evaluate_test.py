@@ -105,7 +105,11 @@ def test_tiny_random_model_report_and_determinism(pool, heldout, tmp_path):
                                   max_tokens=12, seed=7, pool=pool, out_path=out)
       outs.append(out)
       assert rep.num_tasks == 3 and rep.n == 2 and rep.k_list == (1, 2)
-      assert set(rep.pass_at_k) == {1, 2} and 0.0 <= rep.pass_at_k[1] <= 1.0
+      # pass@k recounted from the graded samples (n = 2): pass@1 = c / 2, pass@2 = [c >= 1].
+      cs = [sum(s["passed"] for s in r.samples) for r in rep.results]
+      assert [r.c for r in rep.results] == cs
+      assert rep.pass_at_k == pytest.approx({1: sum(c / 2 for c in cs) / 3,
+                                             2: sum(c >= 1 for c in cs) / 3}, rel=1e-12)
       assert rep.infra_errors == 0 and rep.tasks_scored == {1: 3, 2: 3}
       assert "pass@1" in rep.table()
     rows = evaluate_lib.read_results(outs[0])
