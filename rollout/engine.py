@@ -109,6 +109,8 @@ class Engine:
     self._cv_lock = threading.Condition()
     self._pending_swap = None
     self._retired = None
+    self._swap_followup = None  # (result, event) of a swap whose first decode call is pending
+    self._recent_calls: collections.deque = collections.deque(maxlen=4)  # (shape key, seconds)
     self._stopping = False
     self._thread: Optional[threading.Thread] = None
     self._rng = np.random.default_rng()
@@ -230,7 +232,8 @@ class Engine:
     jax.block_until_ready(packed)
     return PreparedWeights(packed, flat, time.perf_counter() - t0)
 
-  def swap_weights(self, flat, version: int, timeout: Optional[float] = None) -> dict:
+  def swap_weights(self, flat, version: int, timeout: Optional[float] = None, *,
+                   wait_first_call: bool = False) -> dict:
     """Replaces the weights while serving; returns timings.
 
     `flat` is a flat weight dict (validated and packed here, in the calling thread, while
@@ -238,29 +241,50 @@ class Engine:
     packed weights in between two decode calls. In-flight requests keep their KV caches
     (computed by the old weights) and record `version` for tokens produced afterwards.
 
+    The pause alone understates what a swap costs the serving loop: the old weights are freed
+    while the first decode call with the new ones runs (so that the free overlaps its compute),
+    and that call may be slower than a steady one. Those figures exist only once that call has
+    finished; `wait_first_call=True` waits for it (one decode call longer) and returns them, and
+    `last_swap` gets them in either case.
+
     Returns:
       {"version", "prepare_s" (validate + pack), "pause_s" (how long the decode loop stood
        still for the swap, from the end of its last call with the old weights to the swap
        being in place; 0 if nothing was in flight), "in_flight" (completions running),
-       "total_s" (call to applied, including waiting for the decode call in progress)}.
+       "total_s" (call to applied, including waiting for the decode call in progress)}, and
+      with wait_first_call, when a decode call followed the swap: "free_s" (the engine thread's
+      time releasing the old weights, inside the first call), "first_call_s" (that call,
+      dispatch to tokens on the host, free included), "steady_call_s" (median of the last
+      calls before the swap with the same shapes, or None if there were none),
+      "decode_steps" (steps per call).
 
     Raises:
       ValueError: names or shapes do not match the served model (nothing changes).
+      TimeoutError: not applied (or, with wait_first_call, its first call not done) in time.
     """
     t0 = time.perf_counter()
     prepared = flat if isinstance(flat, PreparedWeights) else self.prepare_weights(flat)
-    done = threading.Event()
+    done, first_done = threading.Event(), threading.Event()
     result = {"version": int(version), "prepare_s": prepared.prepare_s}
     with self._cv_lock:
       if self._thread is None or self._stopping:
         raise EngineStopped("the engine is not running")
-      self._pending_swap = (prepared.params, prepared.flat, int(version), done, result)
+      self._pending_swap = (prepared.params, prepared.flat, int(version), done, result,
+                            first_done)
       self._cv_lock.notify_all()
     if not done.wait(timeout):
       raise TimeoutError("weight swap was not applied in time")
-    result["total_s"] = time.perf_counter() - t0
-    self.last_swap = dict(result)
-    return result
+    total_s = time.perf_counter() - t0
+    if wait_first_call:
+      left = None if timeout is None else max(0.0, timeout - total_s)
+      if not first_done.wait(left):
+        raise TimeoutError("the first decode call after the weight swap did not finish in time")
+    with self._cv_lock:  # the engine thread adds the first call's figures under this lock
+      result["total_s"] = total_s
+      out = dict(result)
+      if self.last_swap.get("version") == out["version"]:
+        self.last_swap = {**self.last_swap, **out}
+    return out
 
   def swap_delta(self, blob: bytes, version: int) -> dict:
     """Applies a `sync.delta` blob to the served weights in place, then swaps the result in.
@@ -322,18 +346,26 @@ class Engine:
           pass
         if any(o is not None for o in self._owner):
           self._decode()
+        if self._swap_followup is not None and swap is not None:
+          self._end_followup({})  # no decode call followed the swap (its requests ended)
         # A swap's pause is measured from the end of the last decode call only while requests
         # are in flight; an idle loop is not paused.
         busy = any(o is not None for o in self._owner)
         last_chunk_end = time.perf_counter() if busy else None
       except Exception as e:  # a bug must not hang callers: fail what is in flight, keep serving
         log.exception("engine loop error")
+        if self._swap_followup is not None:
+          self._end_followup({})
         self._fail_all(e)
         self._alloc_cache()  # a failed call may have consumed the donated cache buffers
+    if self._swap_followup is not None:
+      self._end_followup({})
     self._fail_all(EngineStopped("the engine stopped"), reason="cancelled")
 
   def _apply_swap(self, swap, last_chunk_end) -> None:
-    new_params, flat, version, done, result = swap
+    new_params, flat, version, done, result, first_done = swap
+    if self._swap_followup is not None:  # two swaps without a decode call between them
+      self._end_followup({})
     # Freeing the old weights (GBs) takes long; keep them until the next device call is queued,
     # so that the free overlaps with its compute instead of pausing decoding.
     self._retired = (self._params, self._flat)
@@ -343,9 +375,23 @@ class Engine:
     self.stats["swaps_total"] += 1
     # The decode loop stood still from the end of its last call until the next call starts; that
     # next call starts right after this returns, so measure to here (plus a negligible return).
-    result["pause_s"] = 0.0 if last_chunk_end is None else time.perf_counter() - last_chunk_end
-    result["in_flight"] = int(sum(o is not None for o in self._owner))
+    pause = 0.0 if last_chunk_end is None else time.perf_counter() - last_chunk_end
+    with self._cv_lock:
+      result["pause_s"] = pause
+      result["in_flight"] = int(sum(o is not None for o in self._owner))
+      self.last_swap = dict(result)
+    self._swap_followup = (result, first_done)
     done.set()
+
+  def _end_followup(self, figures: dict) -> None:
+    """Adds the first post-swap decode call's figures to its swap's result and wakes waiters."""
+    result, first_done = self._swap_followup
+    self._swap_followup = None
+    with self._cv_lock:
+      result.update(figures)
+      if self.last_swap.get("version") == result["version"]:
+        self.last_swap = {**self.last_swap, **figures}
+    first_done.set()
 
   def _fail_all(self, err: Exception, reason: str = "error") -> None:
     """Ends in-flight requests (and, when stopping, queued ones) so no caller waits forever."""
@@ -535,10 +581,22 @@ class Engine:
     self._ck, self._cv, carried, outs = kernels.decode_chunk(
         self._params, self._ck, self._cv, st, cfg=cfg, nb=nb, sv=sv, steps=ec.decode_steps,
         caps=caps, top_n=top_n)
+    t_free = time.perf_counter()
     self._retired = None  # the call is queued (async dispatch): free old weights meanwhile
+    free_s = time.perf_counter() - t_free
     outs = jax.device_get(outs)
     carried = jax.device_get(carried)
-    self.stats["decode_seconds_total"] += time.perf_counter() - t0
+    call_s = time.perf_counter() - t0
+    self.stats["decode_seconds_total"] += call_s
+    key = (nb, sv, ec.decode_steps, caps, top_n)
+    if self._swap_followup is not None:
+      same = [s for k, s in self._recent_calls if k == key]
+      self._end_followup({"free_s": free_s, "first_call_s": call_s,
+                          "steady_call_s": float(np.median(same)) if same else None,
+                          "decode_steps": ec.decode_steps})
+      self._recent_calls.clear()  # calls before the swap are no reference for the next one
+    else:
+      self._recent_calls.append((key, call_s))
     for k, v in carried.items():
       st[k][:nb] = v
     valid, toks, lps, routing = outs["valid"], outs["tokens"], outs["logprobs"], outs["routing"]

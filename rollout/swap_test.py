@@ -1,0 +1,137 @@
+"""What a weight swap costs the serving loop: the pause, the deferred release of the old weights,
+and the first decode call after the swap against the steady calls before it (tiny model).
+
+The release is made slow on purpose (the old weights' dict takes RELEASE_S to be destroyed), so
+the tests can tell where the engine pays for it: inside the first decode call after the swap,
+counted in `free_s` and `first_call_s`, and not in the pause.
+"""
+
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from rollout import testing
+from rollout.engine import Engine, EngineConfig
+from rollout.engine_types import PreparedWeights
+from rollout.sampling import SamplingParams
+
+RELEASE_S = 1.0  # far above a loaded machine's pause (a few ms), far below the test timeout
+TIMEOUT_S = 120.0
+
+
+class _SlowToRelease(dict):
+  """A weights dict whose destruction takes RELEASE_S, like freeing gigabytes of weights."""
+
+  def __del__(self):
+    time.sleep(RELEASE_S)
+
+
+@pytest.fixture(scope="module")
+def model():
+  return testing.tiny_model(seed=3)
+
+
+def _engine(model):
+  # One cache-length bucket: every decode call has the same shapes.
+  return Engine(model, config=EngineConfig(max_slots=2, max_len=64, decode_steps=2,
+                                           length_bucket=64))
+
+
+def _wait(cond, what):
+  deadline = time.monotonic() + TIMEOUT_S
+  while not cond():
+    if time.monotonic() > deadline:
+      raise TimeoutError(f"timed out waiting for {what}")
+    time.sleep(0.005)
+
+
+def _swap_while_held(eng, prepared, version, **kw):
+  """Swaps while a request is in flight, after its third decode call.
+
+  The request's stream callback runs on the engine thread and holds it after the third decode
+  call until the swap is pending, so the swap lands before the fourth call however loaded the
+  machine is. Returns (swap result, the request's completion).
+  """
+  held, go = threading.Event(), threading.Event()
+  calls = []
+
+  def on_tokens(h, i, toks, lps, reason):
+    calls.append(len(toks))
+    if len(calls) == 4:  # prefill's first token, then three decode calls
+      held.set()
+      if not go.wait(TIMEOUT_S):
+        raise TimeoutError("the test never released the engine thread")
+
+  h = eng.submit([5, 17, 200, 3], SamplingParams(max_tokens=30, temperature=0.0,
+                                                 ignore_eos=True), on_tokens=on_tokens)
+  assert held.wait(TIMEOUT_S), "the request never reached its third decode call"
+  out = {}
+  t = threading.Thread(target=lambda: out.update(eng.swap_weights(prepared, version, **kw)))
+  t.start()
+  try:
+    _wait(lambda: eng._pending_swap is not None, "the swap to be pending")  # pylint: disable=protected-access
+  finally:
+    go.set()
+  t.join(TIMEOUT_S)
+  assert not t.is_alive(), "swap_weights did not return"
+  return out, h.result(timeout=TIMEOUT_S)[0]
+
+
+def test_release_of_old_weights_is_in_the_first_call_not_in_the_pause(model):
+  eng = _engine(model)
+  try:
+    base = eng.current_flat()
+    slow = eng.prepare_weights(base)
+    # Served as version 1, these weights are released after the next swap.
+    eng.swap_weights(PreparedWeights(slow.params, _SlowToRelease(slow.flat), slow.prepare_s), 1)
+    del slow
+    new = {k: (v * np.float32(1.01)).astype(v.dtype) for k, v in base.items()}
+    out, comp = _swap_while_held(eng, eng.prepare_weights(new), 2, wait_first_call=True)
+    assert out["version"] == 2 and out["in_flight"] == 1
+    assert 1 in comp.policy_versions and 2 in comp.policy_versions
+    assert out["free_s"] >= RELEASE_S
+    assert out["pause_s"] < RELEASE_S  # the release was kept out of the pause ...
+    assert out["first_call_s"] >= out["free_s"]  # ... and paid inside the first call
+    assert out["decode_steps"] == 2
+    # Three same-shape calls ran before the swap: the steady reference is one of them, and it
+    # did not pay the release.
+    assert 0 < out["steady_call_s"] < RELEASE_S
+    assert eng.last_swap["free_s"] == out["free_s"]
+  finally:
+    eng.stop()
+
+
+def test_last_swap_gets_the_first_call_without_waiting(model):
+  eng = _engine(model)
+  try:
+    out, comp = _swap_while_held(eng, eng.prepare_weights(eng.current_flat()), 1)
+    assert "first_call_s" not in out or out["first_call_s"] > 0
+    # The request completed with tokens of version 1, so the first call after the swap ran and
+    # its figures were recorded before the completion was handed back.
+    assert comp.policy_versions[-1] == 1
+    last = eng.last_swap
+    assert last["version"] == 1 and last["first_call_s"] > 0 and last["free_s"] >= 0
+    assert last["steady_call_s"] is not None
+  finally:
+    eng.stop()
+
+
+def test_swap_with_nothing_in_flight_returns_without_a_first_call(model):
+  eng = _engine(model)
+  try:
+    out = eng.swap_weights(eng.prepare_weights(eng.current_flat()), 1, wait_first_call=True,
+                           timeout=TIMEOUT_S)
+    assert out["pause_s"] == 0.0 and out["in_flight"] == 0
+    assert "first_call_s" not in out
+    # The next request is served by the new version, and a later swap's figures are its own.
+    c = eng.generate([1, 2, 3], max_tokens=3, temperature=0.0)[0]
+    assert c.policy_versions == [1, 1, 1]
+  finally:
+    eng.stop()
+
+
+if __name__ == "__main__":
+  sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
