@@ -13,9 +13,15 @@ What it measures, all in one run on the same weights and prompts:
      both see the same machine load. Also how often the greedy tokens equal transformers'.
   2. Sampler-vs-learner agreement on sampled completions (temperature 1): max/mean |delta
      logprob|, KL estimates, routing agreement (`rollout.agreement`), fast and deterministic.
-  3. Weight swap while serving: decode-loop pause, preparation time, and a plain reload (a fresh
-     engine from the same weights, compiled, first token) for the tiny model and a ~1B-parameter
-     bf16 config.
+  3. Weight swap while serving, for the tiny model and a ~1B-parameter bf16 config: the
+     decode-loop pause, the release of the old weights (deferred into the first decode call
+     after the swap), that first call against the steady calls of the same shapes just before
+     the swap, preparation time, and a plain reload (a fresh engine from the same weights,
+     compiled, first token).
+
+Threads: transformers runs with 1 and with 2 torch threads (`torch.set_num_threads`) and keeps
+its better result; XLA's CPU client sizes its thread pool to the schedulable cores, recorded as
+`xla_threads` (this process's CPU affinity).
 """
 
 from __future__ import annotations
@@ -124,7 +130,7 @@ def throughput(torch_model, engines: dict, rng, batches, prompt_len, new_tokens,
     ref = best["transformers"]
     row = {"batch": b, "transformers_tok_s": ref["tokens_per_s"],
            "transformers_latency_s": ref["latency_s"], "transformers_threads": ref["threads"],
-           "loadavg_1m": os.getloadavg()[0]}
+           "xla_threads": len(os.sched_getaffinity(0)), "loadavg_1m": os.getloadavg()[0]}
     for name in engines:
       r = best[name]
       same = r["tokens"] == ref["tokens"]
@@ -152,7 +158,11 @@ def agreement_rows(model, engines: dict, rng, batch, prompt_len, new_tokens, voc
 
 def swap_row(label: str, flat: dict, cfg: ModelConfig, ec: EngineConfig, prompt_len: int,
              new_tokens: int, batch: int) -> dict:
-  """Swap pause while decoding vs a plain reload (fresh engine, compile, first token)."""
+  """What a swap while decoding costs (pause, deferred free, first decode call after it vs the
+  steady calls before it) against a plain reload (fresh engine, compile, first token)."""
+  # One cache length bucket: every decode call of the run has the same shapes, so the calls
+  # before the swap are the steady reference for the first call after it.
+  ec = dataclasses.replace(ec, length_bucket=ec.max_len)
   rng = np.random.default_rng(0)
   prompts = rng.integers(0, cfg.vocab_size, (batch, prompt_len)).tolist()
   jax.clear_caches()  # a reload is a fresh process: nothing compiled yet
@@ -171,31 +181,54 @@ def swap_row(label: str, flat: dict, cfg: ModelConfig, ec: EngineConfig, prompt_
   new_flat = {k: (v * np.asarray(1.01, v.dtype)).astype(v.dtype) if i % 2 == 0 else v
               for i, (k, v) in enumerate(flat.items())}
   prepared = eng.prepare_weights(new_flat)  # off the serving path (decoding may continue)
-  # The swap must land mid-request: the batch runs at least 6 decode calls (when the context
-  # allows), and the engine thread holds at its first token until the swap call is under way.
+  # The swap must land mid-request, after steady decode calls: the batch runs at least 6 decode
+  # calls (when the context allows), and the engine thread holds after its third decode call
+  # (the fourth token delivery, prefill's first) until the swap call is under way.
   swap_tokens = max(new_tokens, min(ec.max_len - prompt_len, 6 * ec.decode_steps))
   started, go = threading.Event(), threading.Event()
+  watched, deliveries = [], []
 
-  def on_first_tokens(h, i, t, l, r):
-    if not started.is_set():
-      started.set()
-      go.wait(10.0)
+  def on_tokens(h, i, t, l, r):
+    if not watched:
+      watched.append(h)
+    if h is watched[0] and i == 0 and not started.is_set():
+      deliveries.append(len(t))
+      if len(deliveries) == min(4, swap_tokens // ec.decode_steps):
+        started.set()
+        go.wait(10.0)
 
   hs = eng.submit_batch(prompts, dataclasses.replace(params, max_tokens=swap_tokens),
-                        on_tokens=on_first_tokens)
-  started.wait()
+                        on_tokens=on_tokens)
+  if not started.wait(600.0):
+    raise RuntimeError("the swap benchmark's batch never reached its third decode call")
   go.set()
-  res = eng.swap_weights(prepared, 1)
+  res = eng.swap_weights(prepared, 1, wait_first_call=True, timeout=600.0)
   comps = [h.result()[0] for h in hs]
   vers = comps[0].policy_versions
   eng.stop()
+  first, steady = res.get("first_call_s"), res.get("steady_call_s")
   row.update({"swap_pause_s": res["pause_s"], "swap_prepare_s": res["prepare_s"],
               "swap_total_s": res["total_s"], "in_flight": res["in_flight"],
+              "swap_free_s": res.get("free_s"), "first_call_s": first,
+              "steady_call_s": steady, "decode_steps": ec.decode_steps,
+              "first_call_extra_s": (first - steady) if first is not None and steady else None,
               "pause_over_reload": res["pause_s"] / reload_s,
               "versions_seen": sorted(set(vers))})
   print(json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in row.items()}),
         flush=True)
   return row
+
+
+def _cpu_model() -> str:
+  """The CPU's model name (/proc/cpuinfo), for the report: results differ by machine kind."""
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return "unknown"
 
 
 def one_billion_config() -> ModelConfig:
@@ -207,14 +240,14 @@ def one_billion_config() -> ModelConfig:
 
 def markdown(report: dict) -> str:
   """The report as the tables of BENCHMARKS.md."""
-  lines = ["| batch | transformers tok/s (threads) | ours tok/s | speedup | ours deterministic "
-           "tok/s | speedup | batch latency s: transformers / ours / det. | ours TTFT s | "
-           "greedy = transformers | load avg |",
+  lines = ["| batch | transformers tok/s (torch threads) | ours tok/s (XLA threads) | speedup | "
+           "ours deterministic tok/s | speedup | batch latency s: transformers / ours / det. | "
+           "ours TTFT s | greedy = transformers | load avg |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   for r in report["throughput"]:
     lines.append(
         f"| {r['batch']} | {r['transformers_tok_s']:,.0f} ({r['transformers_threads']}) | "
-        f"{r['ours_tok_s']:,.0f} | {r['ours_speedup']:.2f}x | "
+        f"{r['ours_tok_s']:,.0f} ({r['xla_threads']}) | {r['ours_speedup']:.2f}x | "
         f"{r['ours_deterministic_tok_s']:,.0f} | {r['ours_deterministic_speedup']:.2f}x | "
         f"{r['transformers_latency_s']:.2f} / {r['ours_latency_s']:.2f} / "
         f"{r['ours_deterministic_latency_s']:.2f} | {r['ours_ttft_s']:.3f} | "
@@ -227,14 +260,24 @@ def markdown(report: dict) -> str:
                  f"{a['mean_abs_dlogprob']:.2e} | {a['bit_identical_fraction']:.1%} | "
                  f"{a['kl_k1']:.1e} | {a['kl_k3']:.1e} | {a['routing_agreement']:.2%} | "
                  f"{a['max_abs_dlogprob_free_routing']:.2e} |")
-  lines += ["", "| model | params | in flight | swap pause | prepare (pack) | plain reload "
-            "(pack + compile + first token) | pause / reload |",
-            "| --- | --- | --- | --- | --- | --- | --- |"]
+  lines += ["", "| model | params | in flight | swap pause | free old weights (in the first "
+            "call) | first decode call after the swap / steady call (steps per call) | extra "
+            "cost of the first call | prepare (pack) | plain reload (pack + compile + first "
+            "token) | (pause + extra) / reload |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+
+  def ms(x):
+    return "n/a" if x is None else f"{x * 1e3:,.1f} ms"
+
   for r in report["swap"]:
+    extra = r["first_call_extra_s"]
+    cost = r["swap_pause_s"] + max(extra or 0.0, 0.0)
     lines.append(f"| {r['model']} | {r['params'] / 1e6:,.1f}M | {r['in_flight']} | "
-                 f"{r['swap_pause_s'] * 1e3:.2f} ms | {r['swap_prepare_s']:.2f} s | "
+                 f"{r['swap_pause_s'] * 1e3:.2f} ms | {ms(r['swap_free_s'])} | "
+                 f"{ms(r['first_call_s'])} / {ms(r['steady_call_s'])} ({r['decode_steps']}) | "
+                 f"{ms(extra)} | {r['swap_prepare_s']:.2f} s | "
                  f"{r['reload_s']:.2f} s ({r['reload_pack_s']:.2f} + "
-                 f"{r['reload_compile_first_token_s']:.2f}) | {r['pause_over_reload']:.1e} |")
+                 f"{r['reload_compile_first_token_s']:.2f}) | {cost / r['reload_s']:.1e} |")
   return "\n".join(lines)
 
 
@@ -253,7 +296,8 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   batches = [int(b) for b in args.batches.split(",")]
   spec = QUICK_MIXTRAL if args.quick else TINY_MIXTRAL
-  report = {"argv": sys.argv[1:] if argv is None else list(argv)}
+  report = {"argv": sys.argv[1:] if argv is None else list(argv), "cpu": _cpu_model(),
+            "loadavg_start": os.getloadavg()}
   with tempfile.TemporaryDirectory() as d:
     torch_model = make_hf_checkpoint(d, spec)
     model = hf.load_pretrained(d)

@@ -24,6 +24,12 @@ def test_quick_run(tmp_path):
     assert stats["max_abs_dlogprob"] < 1e-5 and stats["routing_agreement"] == 1.0
   swap = report["swap"][0]
   assert swap["versions_seen"] == [0, 1] and swap["swap_pause_s"] < swap["reload_s"]
+  # The swap landed after steady decode calls of the same shapes, and the first call after it
+  # was measured with the release of the old weights inside it.
+  assert swap["steady_call_s"] > 0 and swap["first_call_s"] >= swap["swap_free_s"] >= 0
+  assert swap["first_call_extra_s"] == swap["first_call_s"] - swap["steady_call_s"]
+  for row in report["throughput"]:
+    assert row["transformers_threads"] in (1, 2) and row["xla_threads"] >= 1
 
 
 if __name__ == "__main__":
