@@ -1,7 +1,7 @@
 """Weight-sync benchmark library: our delta codec vs plain XOR+zstd vs memcpy, same run.
 
-What: `measure(base, new)` times, interleaved and repeated (medians), through the public
-interface (so the chunked parallel paths are what is measured):
+What: `measure(base, new, workers=N)` times, interleaved and repeated (medians), through the
+public interface (so the chunked parallel paths are what is measured):
   * `delta.encode`, and a plain baseline: XOR of bit patterns, zstd level 1 per tensor;
   * `delta.apply_inplace` into a held copy of `base`, proven by hashing every rebuilt chunk
     (check="result") and by the changes hashes with the held version named (check="changes",
@@ -11,6 +11,14 @@ interface (so the chunked parallel paths are what is measured):
     earlier, see `buffers`) and `delta.decode(..., out=buffers)` against the same memcpy;
     `delta.decode(..., recycle=False)` into freshly allocated arrays against `np.copy` into
     new arrays (first-touch page faults dominate both); and the XOR+zstd decode.
+Every baseline runs on the same N threads as the codec (the caller's among them, through
+`parallel.map_all`, as the codec runs): memcpy into held buffers is split into
+`weights.CHUNK_ELEMS` slices taken from a shared counter, the copy into new arrays and
+XOR+zstd spread whole tensors (one zstd frame each, so the ratio
+does not depend on N) over the threads, each with its own zstd contexts. Why not zstd's own
+`threads=`: it parallelizes only the compression of one frame, not the XOR and not the
+decompression. So a row's ratio "ours / baseline" compares like with like; `workers=1` gives
+the single-thread rows of both sides.
 GB/s are bytes of model weights per second. `synthetic_pairs` builds RL-like updates (see
 `synthetic`); `load_flat` reads checkpoints (orbax directories or .npz) so two consecutive learner
 checkpoints can be measured the same way; `train_deltas` (separate: it needs JAX) yields real
@@ -18,9 +26,12 @@ consecutive versions. `terabyte_report` feeds the measured per-core rates into t
 `tools/bench_sync.py` is the command-line entry point.
 """
 
+import concurrent.futures
+import contextlib
 import dataclasses
 import io
 import os
+import threading
 import time
 
 import ml_dtypes
@@ -29,6 +40,7 @@ import zstandard
 
 from sync import delta
 from sync import kernels
+from sync import parallel
 from sync import sim
 from sync import synthetic
 from sync import weights
@@ -43,14 +55,14 @@ class Row:
   ratio: float  # model bytes / delta blob bytes
   encode_GBps: float
   apply_GBps: float  # delta.apply_inplace into held weights, check="result"
-  memcpy_GBps: float  # np.copyto of the new weights into the same held buffers
+  memcpy_GBps: float  # np.copyto of the new weights into the same held buffers, `workers` threads
   decode_GBps: float  # delta.decode(..., out=buffers of an earlier version)
   decode_fresh_GBps: float  # delta.decode(..., recycle=False): newly allocated arrays
-  memcpy_fresh_GBps: float  # np.copy into newly allocated arrays
+  memcpy_fresh_GBps: float  # copy into newly allocated arrays, `workers` threads
   xor_ratio: float
   xor_encode_GBps: float
   xor_decode_GBps: float
-  workers: int
+  workers: int  # threads of every measurement in the row, ours and the baselines alike
   repeats: int
   kinds: dict = dataclasses.field(default_factory=dict)  # chunk kind -> count
   apply_changes_GBps: float = 0.0  # the same with expect_parent, check="changes"
@@ -79,20 +91,85 @@ def _timed(fn):
   return time.perf_counter() - t, out
 
 
-def xor_zstd_encode(base, new, level=1):
-  c = zstandard.ZstdCompressor(level=level)
-  return {k: c.compress((weights.words(base[k]) ^ weights.words(new[k])).tobytes())
-          for k in sorted(new)}
+@contextlib.contextmanager
+def _threads(w: int):
+  """A pool for `parallel.map_all` with `w` threads in all (none for one), per call as the
+  codec makes its own, so thread start-up is counted on both sides."""
+  if w <= 1:
+    yield None
+  else:
+    with concurrent.futures.ThreadPoolExecutor(w - 1) as pool:
+      yield pool
 
 
-def xor_zstd_decode(base, blobs):
-  d = zstandard.ZstdDecompressor()
-  out = {}
-  for k, b in blobs.items():
+def _slices(flat, chunk_elems):
+  """(name, slice) items covering every tensor in chunks, largest tensors first."""
+  return [(k, slice(i, i + chunk_elems))
+          for k in sorted(flat, key=lambda k: -flat[k].size)
+          for i in range(0, max(1, flat[k].size), chunk_elems)]
+
+
+def _copy_chunks(dst: dict, src: dict, workers: int, chunk_elems: int) -> dict:
+  dw = {k: weights.words(dst[k]) for k in src}
+  sw = {k: weights.words(v) for k, v in src.items()}
+
+  def copy(item):
+    k, s = item
+    np.copyto(dw[k][s], sw[k][s])
+
+  with _threads(workers) as pool:
+    parallel.map_all(pool, copy, _slices(src, chunk_elems), workers)
+  return dst
+
+
+def memcpy_into(dst: dict, src: dict, workers: int = 1,
+                chunk_elems: int = weights.CHUNK_ELEMS) -> dict:
+  """np.copyto of every tensor of `src` into `dst`, split into chunks over `workers` threads."""
+  return _copy_chunks(dst, src, workers, chunk_elems)
+
+
+def memcpy_fresh(src: dict, workers: int = 1) -> dict:
+  """np.copy of every tensor of `src` into a newly allocated array, whole tensors (largest
+  first) spread over `workers` threads, so each array is first touched by the thread that
+  copies it."""
+  names = sorted(src, key=lambda k: -src[k].size)
+  with _threads(workers) as pool:
+    return dict(zip(names, parallel.map_all(pool, lambda k: np.copy(src[k]), names, workers)))
+
+
+class _Zstd(threading.local):
+  """Per-thread zstd contexts with the library defaults (no frame checksum), as a plain
+  XOR+zstd user would write it."""
+
+  def __init__(self, level=1):
+    super().__init__()
+    self.cctx = zstandard.ZstdCompressor(level=level)
+    self.dctx = zstandard.ZstdDecompressor()
+
+
+def xor_zstd_encode(base, new, level=1, workers: int = 1):
+  """XOR of the bit patterns, one zstd frame per tensor; tensors spread over the threads."""
+  local = _Zstd(level)
+  names = sorted(new, key=lambda k: -new[k].size)
+
+  def one(k):
+    return local.cctx.compress(np.bitwise_xor(weights.words(base[k]), weights.words(new[k])))
+
+  with _threads(workers) as pool:
+    return dict(zip(names, parallel.map_all(pool, one, names, workers)))
+
+
+def xor_zstd_decode(base, blobs, workers: int = 1):
+  local = _Zstd()
+  names = sorted(blobs, key=lambda k: -base[k].size)
+
+  def one(k):
     w = weights.words(base[k])
-    x = np.frombuffer(d.decompress(b), w.dtype)
-    out[k] = np.bitwise_xor(w, x).view(base[k].dtype).reshape(base[k].shape)
-  return out
+    x = np.frombuffer(local.dctx.decompress(blobs[k]), w.dtype)
+    return np.bitwise_xor(w, x).view(base[k].dtype).reshape(base[k].shape)
+
+  with _threads(workers) as pool:
+    return dict(zip(names, parallel.map_all(pool, one, names, workers)))
 
 
 def _check_same(out, new, what):
@@ -105,13 +182,14 @@ def measure(base: dict, new: dict, label: str = "", repeats: int = 5, workers=No
   """Times ours, the XOR+zstd baseline and memcpy on one (base, new) pair; checks exactness.
 
   Every repeat runs each measurement once, in the same order, so machine load affects all of
-  them alike; the row holds medians.
+  them alike; the row holds medians. Every measurement, ours and the baselines, runs on the
+  same `workers` threads (default: cores, at most 8).
   """
   nb = weights.nbytes(new)
   elems = sum(a.size for a in new.values())
   changed = sum(int(np.count_nonzero(weights.words(base[k]) != weights.words(new[k])))
                 for k in new if k in base)
-  w = workers or min(8, os.cpu_count() or 1)
+  w = parallel.workers(workers)
   kernels.warm_up()  # numba compiles once per process: not part of any timing
   held = {k: v.copy() for k, v in base.items()}  # the sampler's one weight set
   bufs = {k: np.ones_like(v) for k, v in new.items()}  # a recycled second set
@@ -137,7 +215,10 @@ def measure(base: dict, new: dict, label: str = "", repeats: int = 5, workers=No
     t["apply_ch"].append(dt)
     if r == 0:
       _check_same(out, new, "apply_inplace(check='changes')")
-    t["memcpy"].append(_timed(lambda: [np.copyto(held[k], v) for k, v in new.items()])[0])
+    dt, out = _timed(lambda: memcpy_into(held, new, w))
+    t["memcpy"].append(dt)
+    if r == 0:
+      _check_same(out, new, "memcpy_into")
     dt, out = _timed(lambda: delta.decode(base, blob, workers=w, out=bufs))
     t["dec"].append(dt)
     if r == 0:
@@ -149,10 +230,18 @@ def measure(base: dict, new: dict, label: str = "", repeats: int = 5, workers=No
       _check_same(out, new, "decode()")
     del out  # its memory is what the next repeat's decode() reuses
     t["dec_fresh"].append(_timed(lambda: delta.decode(base, blob, workers=w, recycle=False))[0])
-    t["memcpy_fresh"].append(_timed(lambda: {k: np.copy(v) for k, v in new.items()})[0])
-    dt, xb = _timed(lambda: xor_zstd_encode(base, new))
+    dt, out = _timed(lambda: memcpy_fresh(new, w))
+    t["memcpy_fresh"].append(dt)
+    if r == 0:
+      _check_same(out, new, "memcpy_fresh")
+    del out
+    dt, xb = _timed(lambda: xor_zstd_encode(base, new, workers=w))
     t["xenc"].append(dt)
-    t["xdec"].append(_timed(lambda: xor_zstd_decode(base, xb))[0])
+    dt, out = _timed(lambda: xor_zstd_decode(base, xb, workers=w))
+    t["xdec"].append(dt)
+    if r == 0:
+      _check_same(out, new, "xor_zstd_decode")
+    del out
   g = {k: nb / float(np.median(v)) / 1e9 for k, v in t.items()}
   return Row(label, elems, changed / max(1, elems), nb / len(blob), g["enc"], g["apply"],
              g["memcpy"], g["dec"], g["dec_fresh"], g["memcpy_fresh"],
@@ -231,19 +320,22 @@ def terabyte_report(row: Row, cores_here: int | None = None, **kw) -> dict:
 
 
 def markdown(rows) -> str:
-  """The rows as a Markdown table (ours vs XOR+zstd vs memcpy, all from the same run)."""
-  head = ("| update | changed | ratio ours / XOR+zstd | encode GB/s ours / XOR+zstd | "
+  """The rows as a Markdown table: ours vs XOR+zstd vs memcpy, all from the same run, every
+  column on the row's `workers` threads (ours and the baselines alike)."""
+  head = ("| update | changed | threads, ours = baselines | ratio ours / XOR+zstd | "
+          "encode GB/s ours / XOR+zstd | "
           "apply in place GB/s, changes check / result hash | memcpy into the same buffers GB/s "
           "| **apply / memcpy**, changes check / result hash | "
           "decode() GB/s | **decode() / memcpy** | decode(out=) / memcpy | "
-          "new pages: decode(recycle=False) / np.copy GB/s | XOR+zstd decode GB/s |\n"
-          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n")
+          "new pages: decode(recycle=False) / copy into new arrays GB/s | "
+          "decode GB/s ours (decode()) / XOR+zstd |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n")
   return head + "".join(
-      f"| {r.label} | {r.changed:.2%} | {r.ratio:.1f}x / {r.xor_ratio:.1f}x | "
+      f"| {r.label} | {r.changed:.2%} | {r.workers} | {r.ratio:.1f}x / {r.xor_ratio:.1f}x | "
       f"{r.encode_GBps:.2f} / {r.xor_encode_GBps:.2f} | "
       f"{r.apply_changes_GBps:.2f} / {r.apply_GBps:.2f} | {r.memcpy_GBps:.2f} | "
       f"**{r.apply_changes_vs_memcpy:.2f}** / {r.apply_vs_memcpy:.2f} | "
       f"{r.decode_pool_GBps:.2f} | **{r.decode_vs_memcpy:.2f}** | {r.decode_out_vs_memcpy:.2f} | "
       f"{r.decode_fresh_GBps:.2f} / {r.memcpy_fresh_GBps:.2f} | "
-      f"{r.xor_decode_GBps:.2f} |\n"
+      f"{r.decode_pool_GBps:.2f} / {r.xor_decode_GBps:.2f} |\n"
       for r in rows)

@@ -1,19 +1,30 @@
-r"""Benchmarks the sandbox fleet against plain `python3 -c pass` subprocesses, in one run.
+r"""Benchmarks the sandbox fleet against plain interpreters, like against like, in one run.
 
     .venv/bin/python -m tools.bench_sandbox            # or: bazel run //tools:bench_sandbox
     .venv/bin/python -m tools.bench_sandbox --quick    # small sizes, a few seconds
 
+Every row names both sides; each pair is measured interleaved in the same loop, so machine load
+falls on both alike. One command at a time (one thread on each side) except in the bursts.
 Reports (as a Markdown table, and JSON with --json):
-  * start latency p50/p99: a warm sandbox acquired, the task files written into it and
-    `python3 main.py` (main.py = "pass") run to completion, sequentially, with the pool given
-    time to refill, against `subprocess.run(["python3", "-c", "pass"])`; also with the pool's
+  * cold against cold: a sandbox created from nothing (bubblewrap and the zygote started, the
+    files written, `python3 main.py` run to its result; main.py = "pass") against a plain
+    interpreter started from nothing (`python3 main.py` in a fresh directory holding the same
+    file, via subprocess.run); the sandbox's teardown after the result is reported beside;
+  * warm against warm: a sandbox taken from a warm pool (files written, `python3 main.py` run)
+    against a pre-forked plain interpreter without isolation (`PreforkedPython`: a fork server
+    whose next child is forked ahead of demand and runs the script in-process, the same design
+    as the sandbox's pre-forked command process, minus namespaces, cgroups, rlimits and the
+    audit hook), and against the same warm pool with isolation switched off
+    (`force_degraded=True`: the same zygote and protocol, rlimits only); also with the pool's
     refill starting at once (refill_delay_s=0), so it competes with the command for the CPU;
-  * a second command in a started sandbox: `python3 main.py` (in-process fast path) and `true`
-    (exec);
-  * bursts of 100 and 1,000 episodes queued at once (each: fresh sandbox, files, run, teardown)
-    through the local fleet: episodes/s, latency from enqueue to result p50/p99, peak live
-    sandboxes, against the same number of plain subprocesses at the same concurrency;
-  * memory per idle sandbox (PSS of the bwrap and zygote processes) and cold start time.
+  * a second command in a started sandbox, `python3 main.py` (in-process fast path) and `true`
+    (exec), against the same commands sent again to the fork server;
+  * bursts of 100 and 1,000 episodes queued at once (each: a fresh sandbox, files, run,
+    teardown) through the local fleet against the same number of fresh plain interpreters at
+    the same concurrency: episodes/s, latency from enqueue to result p50/p99, peak live
+    sandboxes;
+  * memory per idle sandbox (PSS of bwrap, the zygote and its waiting command process) against
+    an idle fork server (PSS of the server and its waiting child).
 """
 
 from __future__ import annotations
@@ -22,19 +33,149 @@ import argparse
 import concurrent.futures
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 from envs import fleet
 from envs import hostcheck
 from envs import pool as pool_lib
 from envs import sandbox
+from envs import slot as slot_lib
 
 
-# The baseline runs the same interpreter the sandboxes run (not a pyenv shim on PATH, which
+# The baselines run the same interpreter the sandboxes run (not a pyenv shim on PATH, which
 # would add ~300 ms of bash and flatter the comparison).
 PYTHON = hostcheck.SANDBOX_PYTHON
+MAIN = {"main.py": "pass\n"}
+
+# The fork server: stdlib only, run as `python3 -s -B -c _SERVER` (the flags the zygote runs
+# with). Protocol: one JSON request per line on stdin, {"cwd": dir, "argv": [...]}; one JSON
+# answer per line on stdout, {"code": exit status, "out": stdout and stderr}; {"ping": true} is
+# answered by the server with the waiting child's pid. The child for the
+# next request is forked as soon as the previous answer is written, so starting a command is a
+# pipe write; `python3 FILE` runs in the child itself, anything else through exec.
+_SERVER = r"""
+import json, os, sys, traceback
+
+def spare():
+  req_r, req_w = os.pipe()
+  out_r, out_w = os.pipe()
+  pid = os.fork()
+  if pid:
+    os.close(req_r)
+    os.close(out_w)
+    return pid, req_w, out_r
+  os.close(req_w)
+  os.close(out_r)
+  os.dup2(out_w, 1)
+  os.dup2(out_w, 2)
+  null = os.open(os.devnull, os.O_RDONLY)
+  os.dup2(null, 0)
+  chunks = []
+  while True:
+    c = os.read(req_r, 65536)
+    if not c:
+      break
+    chunks.append(c)
+  req = json.loads(b"".join(chunks))
+  os.chdir(req["cwd"])
+  argv = req["argv"]
+  if len(argv) == 2 and argv[0] in ("python", "python3"):
+    code = 0
+    sys.argv = argv[1:]
+    sys.stdout = open(1, "w", closefd=False)
+    sys.stderr = open(2, "w", closefd=False)
+    try:
+      with open(argv[1]) as f:
+        src = f.read()
+      exec(compile(src, argv[1], "exec"), {"__name__": "__main__", "__file__": argv[1],
+                                           "__builtins__": __builtins__})
+    except SystemExit as e:
+      code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+      traceback.print_exc()
+      code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+  try:
+    os.execvp(argv[0], argv)
+  except OSError:
+    os._exit(127)
+
+child = spare()
+sys.stdout.write("{}\n")
+sys.stdout.flush()
+for line in sys.stdin:
+  pid, req_w, out_r = child
+  if line.startswith('{"ping"'):  # Answered here: the spare for the next request exists.
+    sys.stdout.write(json.dumps({"spare_pid": pid}) + "\n")
+    sys.stdout.flush()
+    continue
+  os.write(req_w, line.encode())
+  os.close(req_w)
+  chunks = []
+  while True:
+    c = os.read(out_r, 65536)
+    if not c:
+      break
+    chunks.append(c)
+  os.close(out_r)
+  _, status = os.waitpid(pid, 0)
+  sys.stdout.write(json.dumps({"code": os.waitstatus_to_exitcode(status),
+                               "out": b"".join(chunks).decode(errors="replace")}) + "\n")
+  sys.stdout.flush()
+  child = spare()
+"""
+
+
+class PreforkedPython:
+  """A pre-forked plain interpreter, the warm baseline: no isolation of any kind.
+
+  A started `python3` (the fork server) keeps one child forked ahead of demand, waiting on a
+  pipe; `run` hands it a working directory and argv and waits for its exit status and output.
+  Each command runs in a fresh child, as each sandbox command does; the server itself never
+  runs the command's code.
+  """
+
+  def __init__(self):
+    self.proc = subprocess.Popen([PYTHON, "-s", "-B", "-c", _SERVER], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True, bufsize=1,
+                                 env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
+    if self.proc.stdout.readline() != "{}\n":
+      raise RuntimeError(f"fork server did not start (rc={self.proc.poll()})")
+
+  def run(self, cwd: str, argv: list[str]) -> tuple[int, str]:
+    self.proc.stdin.write(json.dumps({"cwd": cwd, "argv": argv}) + "\n")
+    line = self.proc.stdout.readline()
+    if not line:
+      raise RuntimeError(f"fork server exited (rc={self.proc.poll()})")
+    resp = json.loads(line)
+    return resp["code"], resp["out"]
+
+  def ping(self) -> int:
+    """The pid of the child waiting for the next request. The server forks it right after
+    answering the previous request and answers this one itself, so it exists when this returns
+    (as `Slot.spare_pid` for a sandbox)."""
+    self.proc.stdin.write('{"ping": true}\n')
+    line = self.proc.stdout.readline()
+    if not line:
+      raise RuntimeError(f"fork server exited (rc={self.proc.poll()})")
+    return json.loads(line)["spare_pid"]
+
+  def close(self) -> None:
+    self.proc.stdin.close()
+    self.proc.wait(timeout=10)
+    self.proc.stdout.close()
+
+  def __enter__(self) -> "PreforkedPython":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -42,38 +183,149 @@ def _pct(xs: list[float], q: float) -> float:
   return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
-def plain_latency(n: int) -> list[float]:
-  out = []
-  for _ in range(n):
-    t = time.perf_counter()
-    subprocess.run([PYTHON, "-c", "pass"], check=True)
-    out.append(time.perf_counter() - t)
-  return out
+def _write_main(d: str) -> None:
+  for rel, text in MAIN.items():
+    with open(os.path.join(d, rel), "w") as f:
+      f.write(text)
 
 
-def sandbox_latency(pool: pool_lib.WarmPool, n: int, *, again: bool = False
-                    ) -> dict[str, list[float]]:
-  """Latencies on a warm pool: "total" (start to finished), "exec" (the first command alone);
-  with again=True also "again" (a second `python3 main.py`) and "true" (then `true`)."""
-  out = {"total": [], "exec": [], "again": [], "true": []}
-  for _ in range(n):
-    pool.wait_warm()
+def plain_cold(root: str) -> float:
+  """A plain interpreter from nothing: a fresh directory, the files, `python3 main.py`."""
+  t = time.perf_counter()
+  d = tempfile.mkdtemp(dir=root)
+  _write_main(d)
+  subprocess.run([PYTHON, "main.py"], cwd=d, check=True)
+  dt = time.perf_counter() - t
+  shutil.rmtree(d)
+  return dt
+
+
+class ColdSandboxes:
+  """Sandboxes created from nothing, one at a time, outside any pool (the cold side).
+
+  The in-sandbox programs are copied and compiled once (`slot.prepare_opt`), as a fleet does
+  once per host; everything per sandbox (bubblewrap, namespaces, cgroups, the zygote's start and
+  imports, its first command process) is in the timing.
+  """
+
+  def __init__(self):
+    self.features = hostcheck.detect()
+    if not self.features.full_isolation:
+      raise hostcheck.SandboxUnavailable("; ".join(self.features.problems))
+    self.root = tempfile.mkdtemp(prefix=f"envs-fleet-{os.getpid()}-cold-", dir="/tmp")
+    os.chmod(self.root, 0o711)
+    self.opt_dir = slot_lib.prepare_opt(self.features, self.root)
+
+  def start(self) -> tuple[float, float]:
+    """(seconds from nothing to the command's result, seconds of the teardown after it)."""
     t = time.perf_counter()
-    with sandbox.Sandbox({"main.py": "pass\n"}, pool=pool) as sb:
+    slot = slot_lib.Slot(self.root, self.features, opt_dir=self.opt_dir)
+    try:
+      slot.wait_ready()
+      slot.populate(dict(MAIN))
+      r = slot.exec(["python3", "main.py"])
       t1 = time.perf_counter()
-      r = sb.exec(["python3", "main.py"])
+      assert r.exit_code == 0 and r.infra_error is None, r
+    finally:
       t2 = time.perf_counter()
-      assert r.exit_code == 0, r
-      out["total"].append(t2 - t)
-      out["exec"].append(t2 - t1)
-      if again:
-        for key, argv in (("again", ["python3", "main.py"]), ("true", ["true"])):
-          time.sleep(0.005)  # As between an agent's commands: the next command process is ready.
-          t3 = time.perf_counter()
-          r = sb.exec(argv)
-          out[key].append(time.perf_counter() - t3)
-          assert r.exit_code == 0, r
+      slot.cleanup()
+    return t1 - t, time.perf_counter() - t2
+
+  def close(self) -> None:
+    shutil.rmtree(self.root, ignore_errors=True)
+
+
+def cold_latency(n: int) -> dict[str, list[float]]:
+  """Cold sandbox and cold plain interpreter, alternating, n each."""
+  out = {"sandbox": [], "teardown": [], "plain": []}
+  cold = ColdSandboxes()
+  try:
+    cold.start()  # Page cache and the first cgroup directories: not part of any timing.
+    plain_cold(cold.root)
+    for _ in range(n):
+      start, teardown = cold.start()
+      out["sandbox"].append(start)
+      out["teardown"].append(teardown)
+      out["plain"].append(plain_cold(cold.root))
+  finally:
+    cold.close()
   return out
+
+
+def _warm_sandbox(pool: pool_lib.WarmPool, again: bool, out: dict, prefix: str) -> None:
+  t = time.perf_counter()
+  with sandbox.Sandbox(MAIN, pool=pool) as sb:
+    t1 = time.perf_counter()
+    r = sb.exec(["python3", "main.py"])
+    t2 = time.perf_counter()
+    assert r.exit_code == 0, r
+    out[prefix + "total"].append(t2 - t)
+    out[prefix + "exec"].append(t2 - t1)
+    if again:
+      for key, argv in (("again", ["python3", "main.py"]), ("true", ["true"])):
+        sb.slot.spare_pid()  # As between an agent's commands: the next command process is ready.
+        t3 = time.perf_counter()
+        r = sb.exec(argv)
+        out[prefix + key].append(time.perf_counter() - t3)
+        assert r.exit_code == 0, r
+
+
+def _warm_plain(server: PreforkedPython, root: str, out: dict) -> None:
+  server.ping()  # Its child for the next request is waiting, as a warm sandbox's is.
+  t = time.perf_counter()
+  d = tempfile.mkdtemp(dir=root)
+  _write_main(d)
+  code, _ = server.run(d, ["python3", "main.py"])
+  out["plain_total"].append(time.perf_counter() - t)
+  assert code == 0
+  for key, argv in (("again", ["python3", "main.py"]), ("true", ["true"])):
+    server.ping()
+    t3 = time.perf_counter()
+    code, _ = server.run(d, argv)
+    out["plain_" + key].append(time.perf_counter() - t3)
+    assert code == 0
+  shutil.rmtree(d)
+
+
+def warm_latency(pool_size: int, n: int) -> dict:
+  """Warm sandbox, warm degraded sandbox and pre-forked plain interpreter, in turn, n each.
+
+  Before each start every pool is full again, so no refill runs during a timed start.
+  """
+  keys = ("total", "exec", "again", "true")
+  out = {k: [] for p in ("", "degraded_", "plain_") for k in (p + x for x in keys)}
+  root = tempfile.mkdtemp(prefix="bench-prefork-")
+  with pool_lib.WarmPool(size=pool_size) as pool, \
+       pool_lib.WarmPool(size=pool_size, force_degraded=True) as degraded, \
+       PreforkedPython() as server:
+    isolation = pool.isolation
+    for i in range(n + 3):  # The first three warm caches.
+      for p in (pool, degraded):
+        p.wait_warm()
+      _warm_sandbox(pool, True, out, "")
+      for p in (pool, degraded):
+        p.wait_warm()
+      _warm_sandbox(degraded, False, out, "degraded_")
+      for p in (pool, degraded):
+        p.wait_warm()
+      _warm_plain(server, root, out)
+      if i < 3:
+        for v in out.values():
+          v.clear()
+  shutil.rmtree(root, ignore_errors=True)
+  out["isolation"] = isolation
+  return out
+
+
+def refill_now_latency(pool_size: int, n: int) -> list[float]:
+  out = {"total": [], "exec": []}
+  with pool_lib.WarmPool(size=pool_size, refill_delay_s=0) as pool:
+    for i in range(n + 3):
+      pool.wait_warm()
+      _warm_sandbox(pool, False, out, "")
+      if i < 3:
+        out["total"].clear()
+  return out["total"]
 
 
 def _bench_job(host: fleet.Host, payload: tuple[int, float]) -> float:
@@ -96,15 +348,24 @@ def sandbox_burst(n: int, concurrency: int, pool_size: int, max_live: int) -> di
 
 
 def plain_burst(n: int, concurrency: int) -> dict:
+  """n fresh plain interpreters, each in a fresh directory with its own main.py, `concurrency`
+  at a time: the same work per episode as the sandbox burst's, without isolation."""
+  root = tempfile.mkdtemp(prefix="bench-plain-")
   t = time.perf_counter()
 
-  def one(_):
-    subprocess.run([PYTHON, "-c", "pass"], check=True)
+  def one(i):
+    d = tempfile.mkdtemp(dir=root)
+    with open(os.path.join(d, "main.py"), "w") as f:
+      f.write(f"print({i})\n")
+    r = subprocess.run([PYTHON, "main.py"], cwd=d, check=True, capture_output=True, text=True)
+    assert r.stdout == f"{i}\n", r
+    shutil.rmtree(d)
     return time.perf_counter() - t
 
   with concurrent.futures.ThreadPoolExecutor(concurrency) as ex:
     lat = list(ex.map(one, range(n)))
   wall = time.perf_counter() - t
+  shutil.rmtree(root, ignore_errors=True)
   return {"eps": n / wall, "p50": _pct(lat, 50), "p99": _pct(lat, 99)}
 
 
@@ -127,73 +388,100 @@ def _tree_pss_kb(pid: int) -> int:
 
 
 def idle_memory(n: int) -> dict:
+  """Mean PSS of an idle sandbox (bwrap, zygote, waiting command process) and of an idle fork
+  server (server, waiting child), both in MiB."""
   with pool_lib.WarmPool(size=n, max_live=n) as pool:
-    t = time.perf_counter()
     pool.wait_warm(timeout_s=120)
-    warm_s = time.perf_counter() - t
-    time.sleep(0.2)
+    for slot in list(pool._idle):  # pylint: disable=protected-access
+      slot.spare_pid()  # Each zygote's command process has been forked (and warmed up).
     pss = [_tree_pss_kb(pid) for pid in pool.idle_pids()]
+  with PreforkedPython() as server:
+    server.ping()
+    plain = _tree_pss_kb(server.proc.pid)
   return {"pss_mib": sum(pss) / len(pss) / 1024, "sandboxes": len(pss),
-          "cold_start_ms": warm_s / n * 1000}
+          "plain_pss_mib": plain / 1024}
 
 
-def run(*, latency_n: int, bursts: tuple[int, ...], concurrency: int, pool_size: int,
-        max_live: int, idle_n: int) -> dict:
-  out = {"host": {"cpus": os.cpu_count(), "load1": os.getloadavg()[0]}}
-  plain = plain_latency(latency_n)
-  with pool_lib.WarmPool(size=pool_size) as pool:
-    out["isolation"] = pool.isolation
-    sandbox_latency(pool, 3)  # Warm caches.
-    lat = sandbox_latency(pool, latency_n, again=True)
-  with pool_lib.WarmPool(size=pool_size, refill_delay_s=0) as pool:
-    sandbox_latency(pool, 3)
-    now = sandbox_latency(pool, max(1, latency_n // 2))["total"]
+def run(*, latency_n: int, cold_n: int, bursts: tuple[int, ...], concurrency: int,
+        pool_size: int, max_live: int, idle_n: int) -> dict:
+  out = {"host": {"cpus": os.cpu_count(), "load1": os.getloadavg()[0]},
+         "concurrency": concurrency}
+  cold = cold_latency(cold_n)
+  warm = warm_latency(pool_size, latency_n)
+  out["isolation"] = warm.pop("isolation")
+  now = refill_now_latency(pool_size, max(1, latency_n // 2))
   ms = lambda xs, q: _pct(xs, q) * 1e3
-  out["latency_ms"] = {
-      "plain_p50": ms(plain, 50), "plain_p99": ms(plain, 99),
-      "sandbox_p50": ms(lat["total"], 50), "sandbox_p99": ms(lat["total"], 99),
-      "exec_p50": ms(lat["exec"], 50), "exec_p99": ms(lat["exec"], 99),
-      "again_p50": ms(lat["again"], 50), "again_p99": ms(lat["again"], 99),
-      "true_p50": ms(lat["true"], 50), "true_p99": ms(lat["true"], 99),
-      "refill_now_p50": ms(now, 50), "refill_now_p99": ms(now, 99)}
+  out["cold_ms"] = {f"{k}_p{q}": ms(v, q) for k, v in cold.items() for q in (50, 99)}
+  lat = {}
+  for k, v in warm.items():
+    if not v:
+      continue  # The degraded side runs no second command.
+    name = {"total": "sandbox", "degraded_total": "degraded", "plain_total": "plain"}.get(k, k)
+    for q in (50, 99):
+      lat[f"{name}_p{q}"] = ms(v, q)
+  lat["refill_now_p50"], lat["refill_now_p99"] = ms(now, 50), ms(now, 99)
+  out["latency_ms"] = lat
+  out["samples"] = {"cold": len(cold["sandbox"]), "warm": len(warm["total"]),
+                    "refill_now": len(now)}
   out["bursts"] = {}
   for n in bursts:
     out["bursts"][n] = {"sandbox": sandbox_burst(n, concurrency, pool_size, max_live),
                         "plain": plain_burst(n, concurrency)}
   out["idle"] = idle_memory(idle_n)
+  out["host"]["load1_end"] = os.getloadavg()[0]
   return out
 
 
 def to_markdown(res: dict) -> str:
-  lat = res["latency_ms"]
+  """One row per comparison: what each side is, both figures, and sandbox / baseline."""
+  c, lat, n = res["cold_ms"], res["latency_ms"], res["samples"]
+  plain_cold_cmd = f"plain `{PYTHON} main.py` from nothing (fresh dir + file, subprocess.run)"
+  prefork = "pre-forked plain interpreter, no isolation (fork server, `python3 main.py` in-process)"
+  x = lambda a, b: f"{a / b:.2f}x"
+  rows = [
+      ("cold start p50: sandbox from nothing (bwrap + zygote + files + `python3 main.py` "
+       f"result) vs {plain_cold_cmd}; {n['cold']} each", c["sandbox_p50"], c["plain_p50"]),
+      ("cold start p99, same pair", c["sandbox_p99"], c["plain_p99"]),
+      ("warm start p50: sandbox from a warm pool (acquire + files + `python3 main.py` result) "
+       f"vs {prefork} (fresh dir + file + run); {n['warm']} each", lat["sandbox_p50"],
+       lat["plain_p50"]),
+      ("warm start p99, same pair", lat["sandbox_p99"], lat["plain_p99"]),
+      ("warm start p50: the same warm pool with isolation off (`force_degraded`: same zygote, "
+       f"rlimits only) vs {prefork}", lat["degraded_p50"], lat["plain_p50"]),
+      ("warm start p50: sandbox, pool refill started at once (`refill_delay_s=0`; "
+       f"{n['refill_now']} starts) vs {prefork} (from the warm rows)", lat["refill_now_p50"],
+       lat["plain_p50"]),
+      ("next command in the same sandbox, `python3 main.py` p50, vs the same to the fork server",
+       lat["again_p50"], lat["plain_again_p50"]),
+      ("next command in the same sandbox, `true` (exec) p50, vs the same to the fork server",
+       lat["true_p50"], lat["plain_true_p50"]),
+  ]
   lines = [
-      f"Host: {res['host']['cpus']} CPUs, 1-min load {res['host']['load1']:.1f} at start. "
-      f"Isolation: {res['isolation']}.", "",
-      f"| measure | sandbox fleet | plain `{PYTHON} -c pass` | ratio (plain / sandbox) |",
-      "| --- | --- | --- | --- |",
-      f"| start latency p50 (acquire + files + `python3 main.py` done) | "
-      f"{lat['sandbox_p50']:.2f} ms | {lat['plain_p50']:.2f} ms | "
-      f"{lat['plain_p50'] / lat['sandbox_p50']:.1f}x |",
-      f"| start latency p99 | {lat['sandbox_p99']:.2f} ms | {lat['plain_p99']:.2f} ms | "
-      f"{lat['plain_p99'] / lat['sandbox_p99']:.1f}x |",
-      f"| start latency p50 / p99, pool refill started at once (refill_delay_s=0) | "
-      f"{lat['refill_now_p50']:.2f} / {lat['refill_now_p99']:.2f} ms | | |",
-      f"| first command alone (`python3 main.py`) p50 / p99 | {lat['exec_p50']:.2f} / "
-      f"{lat['exec_p99']:.2f} ms | | |",
-      f"| next command, `python3 main.py` / `true`, p50 | {lat['again_p50']:.2f} / "
-      f"{lat['true_p50']:.2f} ms | | |"]
-  for n, b in res["bursts"].items():
+      f"Host: {res['host']['cpus']} CPUs, 1-min load {res['host']['load1']:.1f} at start, "
+      f"{res['host'].get('load1_end', float('nan')):.1f} at end. Isolation: {res['isolation']}. "
+      "One command at a time on each side unless a row says otherwise.", "",
+      "| comparison (sandbox side vs baseline side) | sandbox | baseline | sandbox / baseline |",
+      "| --- | --- | --- | --- |"]
+  for name, a, b in rows:
+    lines.append(f"| {name} | {a:.2f} ms | {b:.2f} ms | {x(a, b)} |")
+  lines.append(f"| cold sandbox teardown after the result, p50 (kill, reap, remove; the pool "
+               f"does it in the background; no plain counterpart: its exit is in its start) | "
+               f"{c['teardown_p50']:.2f} ms | | |")
+  for n_, b in res["bursts"].items():
     s, p = b["sandbox"], b["plain"]
-    lines.append(f"| burst of {n}: episodes/s | {s['eps']:.0f} | {p['eps']:.0f} | "
-                 f"{p['eps'] / s['eps']:.2f}x |")
-    lines.append(f"| burst of {n}: enqueue-to-result p50 / p99 | {s['p50'] * 1e3:.0f} / "
-                 f"{s['p99'] * 1e3:.0f} ms (peak {s['peak_live']} live sandboxes) | "
-                 f"{p['p50'] * 1e3:.0f} / {p['p99'] * 1e3:.0f} ms | |")
+    conc = res["concurrency"]
+    lines.append(f"| burst of {n_}: episodes/s, each a new sandbox (local fleet, {conc} at a "
+                 f"time) vs a new plain `python3 main.py` (fresh dir + file, {conc} at a time) | "
+                 f"{s['eps']:.0f}/s | {p['eps']:.0f}/s | {s['eps'] / p['eps']:.2f}x |")
+    lines.append(f"| burst of {n_}: enqueue-to-result p50, same pair (p99 {s['p99'] * 1e3:.0f}"
+                 f" vs {p['p99'] * 1e3:.0f} ms; peak {s['peak_live']} live sandboxes) | "
+                 f"{s['p50'] * 1e3:.0f} ms | {p['p50'] * 1e3:.0f} ms | "
+                 f"{s['p50'] / p['p50']:.2f}x |")
   idle = res["idle"]
-  lines.append(f"| memory per idle sandbox (PSS, {idle['sandboxes']} idle) | "
-               f"{idle['pss_mib']:.1f} MiB | | |")
-  lines.append(f"| cold start (spawn to ready, amortised over {idle['sandboxes']}) | "
-               f"{idle['cold_start_ms']:.0f} ms | | |")
+  lines.append(f"| memory, PSS per idle sandbox (bwrap + zygote + waiting command process, "
+               f"{idle['sandboxes']} idle) vs an idle fork server (server + waiting child) | "
+               f"{idle['pss_mib']:.1f} MiB | {idle['plain_pss_mib']:.1f} MiB | "
+               f"{x(idle['pss_mib'], idle['plain_pss_mib'])} |")
   return "\n".join(lines)
 
 
@@ -206,9 +494,10 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--json", help="also write results as JSON here")
   args = ap.parse_args(argv)
   if args.quick:
-    res = run(latency_n=10, bursts=(10,), concurrency=4, pool_size=2, max_live=6, idle_n=2)
+    res = run(latency_n=10, cold_n=5, bursts=(10,), concurrency=4, pool_size=2, max_live=6,
+              idle_n=2)
   else:
-    res = run(latency_n=200, bursts=(100, 1000), concurrency=args.concurrency,
+    res = run(latency_n=200, cold_n=50, bursts=(100, 1000), concurrency=args.concurrency,
               pool_size=args.pool_size, max_live=args.max_live, idle_n=8)
   print(to_markdown(res))
   if args.json:

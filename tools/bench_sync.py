@@ -5,10 +5,14 @@ repeats): our codec vs plain XOR+zstd (ratio, encode, decode), and our in-place 
 sampler's `Subscriber(inplace=True)` does) vs memcpy of the new weights into those same
 buffers; `delta.decode` (the convenience interface; its memory comes from results dropped
 earlier) and `delta.decode(out=)` vs that same memcpy; `delta.decode(recycle=False)` into
-freshly allocated arrays vs `np.copy` into new arrays is reported beside them.
+freshly allocated arrays vs a copy into new arrays is reported beside them. Both sides of
+every comparison run on the same threads (`--workers`, default: cores, at most 8; the
+baselines are split over the threads as `sync.bench` describes); `--workers 2,1` measures
+each pair at every listed count, one table per count, so the single-thread rows of both
+sides come from the same run.
 
 Synthetic RL-like updates (64M bf16 parameters, changed fractions 1%/4%/25%, minutes on 2 cores):
-  .venv/bin/python -m tools.bench_sync
+  .venv/bin/python -m tools.bench_sync --workers 2,1
   bazel run //tools:bench_sync -- --size 16000000
 Real consecutive versions from the learner's own training steps (rl.learner.Learner on the
 tiny preset, next-token loss on random tokens, AdamW at each learning rate; bf16 sampler copies):
@@ -27,7 +31,7 @@ import numpy as np
 from sync import bench
 
 
-def learner_rows(gin_files, lrs, steps: int, repeats: int, workers=None, rows: int = 4,
+def learner_rows(gin_files, lrs, steps: int, repeats: int, workers=(None,), rows: int = 4,
                  seq_len: int = 32, bindings=()):
   """Rows for consecutive learner versions at each learning rate, and a per-lr summary."""
   from sync import train_deltas  # pylint: disable=g-import-not-at-top  (JAX only here)
@@ -41,10 +45,11 @@ def learner_rows(gin_files, lrs, steps: int, repeats: int, workers=None, rows: i
     for version, flat, loss in train_deltas.learner_versions(
         cfg, steps=steps, learning_rate=lr, rows=rows, seq_len=seq_len):
       if prev is not None:
-        r = bench.measure(prev[1], flat, f"learner lr={lr:g} v{prev[0]}->v{version}",
-                          repeats, workers)
-        pairs.append(r)
-        print(bench.markdown([r]).splitlines()[-1], flush=True)
+        for w in workers:
+          r = bench.measure(prev[1], flat, f"learner lr={lr:g} v{prev[0]}->v{version}",
+                            repeats, w)
+          print(bench.markdown([r]).splitlines()[-1], flush=True)
+        pairs.append(r)  # ratios do not depend on the threads: one row per pair
       prev = (version, flat)
     out.extend(pairs)
     summary.append({"lr": lr, "params": pairs[0].params,
@@ -59,7 +64,9 @@ def main(argv=None) -> int:
   p.add_argument("--size", type=int, default=64 << 20, help="parameters (synthetic)")
   p.add_argument("--fractions", default="0.01,0.04,0.25")
   p.add_argument("--repeats", type=int, default=5)
-  p.add_argument("--workers", type=int, default=None)
+  p.add_argument("--workers", default="",
+                 help="comma-separated thread counts, each used by ours and the baselines alike "
+                      "(default: cores, at most 8); e.g. 2,1 adds the single-thread rows")
   p.add_argument("--from_checkpoints", nargs=2, metavar=("BASE", "NEW"))
   p.add_argument("--keep_dtype", action="store_true",
                  help="with --from_checkpoints: do not cast floating tensors to bf16")
@@ -74,28 +81,31 @@ def main(argv=None) -> int:
   p.add_argument("--no_sim", action="store_true")
   p.add_argument("--json", help="also write the rows and the simulation here")
   args = p.parse_args(argv)
+  workers = [int(x) for x in args.workers.split(",") if x] or [None]
   report = {}
   if args.from_checkpoints:
     rows = [bench.from_checkpoints(*args.from_checkpoints,
                                    dtype=None if args.keep_dtype else ml_dtypes.bfloat16,
-                                   repeats=args.repeats, workers=args.workers)]
+                                   repeats=args.repeats, workers=w) for w in workers]
   elif args.learner_steps:
     rows, report["learner"] = learner_rows(
         args.gin or ["moe/configs/tiny.gin"],
         [float(x) for x in args.learner_lrs.split(",")], args.learner_steps, args.repeats,
-        args.workers, bindings=args.binding)
+        workers, bindings=args.binding)
   else:
     fr = [float(f) for f in args.fractions.split(",")]
     rows = []
     for label, base, new in bench.synthetic_pairs(args.size, fr):
-      rows.append(bench.measure(base, new, label, args.repeats, args.workers))
-      print(bench.markdown(rows[-1:]).splitlines()[-1], flush=True)
-  print()
-  print(bench.markdown(rows))
-  print(f"(medians of {args.repeats} interleaved repeats, {rows[0].workers} worker threads; "
-        "'apply / memcpy' = delta.apply_inplace (check='changes' with the held version named, "
-        "as the subscriber runs it / check='result') vs np.copyto of the new weights into the "
-        "same held buffers)")
+      for w in workers:
+        rows.append(bench.measure(base, new, label, args.repeats, w))
+        print(bench.markdown(rows[-1:]).splitlines()[-1], flush=True)
+  for w in sorted({r.workers for r in rows}, reverse=True):
+    print()
+    print(bench.markdown([r for r in rows if r.workers == w]))
+    print(f"(medians of {args.repeats} interleaved repeats, {w} thread(s) for ours and for "
+          "every baseline; 'apply / memcpy' = delta.apply_inplace (check='changes' with the "
+          "held version named, as the subscriber runs it / check='result') vs np.copyto of the "
+          f"new weights into the same held buffers split over the same {w} thread(s))")
   for s in report.get("learner", []):
     print(f"learner lr={s['lr']:g} ({s['params']} params): changed "
           f"{np.median(s['changed']):.2%} (range {min(s['changed']):.2%}-"
@@ -106,7 +116,8 @@ def main(argv=None) -> int:
                          decode_vs_memcpy=r.decode_vs_memcpy,
                          decode_out_vs_memcpy=r.decode_out_vs_memcpy) for r in rows]
   if not args.no_sim:
-    row = min(rows, key=lambda r: abs(r.changed - 0.04))
+    most = max(r.workers for r in rows)
+    row = min((r for r in rows if r.workers == most), key=lambda r: abs(r.changed - 0.04))
     report["terabyte"] = bench.terabyte_report(row)
     print(f"1 TB model, four clusters (calibrated on '{row.label}', "
           f"{row.workers} workers here):")
