@@ -19,6 +19,11 @@ What it measures, all in one run on the same weights and prompts:
      the swap, preparation time, and a plain reload (a fresh engine from the same weights,
      compiled, first token).
 
+  4. The routed-expert matmul shape the batch-64 decode step is made of, [8, m, 256] x
+     [8, 256, 1024] (gate and up projections of 8 experts, m tokens each), as GFLOP/s through
+     XLA (a jitted einsum, as rollout.forward runs it) and through torch.bmm with 1 and 2
+     threads, in the same process and minutes as the rest.
+
 Threads: transformers runs with 1 and with 2 torch threads (`torch.set_num_threads`) and keeps
 its better result; XLA's CPU client sizes its thread pool to the schedulable cores, recorded as
 `xla_threads` (this process's CPU affinity).
@@ -156,6 +161,45 @@ def agreement_rows(model, engines: dict, rng, batch, prompt_len, new_tokens, voc
   return out
 
 
+def _best_time(fn, calls: int = 20, repeats: int = 5) -> float:
+  """The best per-call time of `fn` over `repeats` timings of `calls` calls (after a warm-up)."""
+  fn()
+  best = float("inf")
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    for _ in range(calls):
+      fn()
+    best = min(best, (time.perf_counter() - t0) / calls)
+  return best
+
+
+def matmul_rates(ms=(16, 32, 64), torch_threads=(1, 2), experts: int = 8, hidden: int = 256,
+                 out: int = 1024) -> list:
+  """GFLOP/s of the expert matmul [E, m, hidden] x [E, hidden, out]: XLA einsum vs torch.bmm."""
+  import jax.numpy as jnp
+  import torch
+  einsum = jax.jit(lambda a, b: jnp.einsum("emh,ehf->emf", a, b))
+  rng = np.random.default_rng(0)
+  w = rng.standard_normal((experts, hidden, out), np.float32)
+  rows = []
+  for m in ms:
+    x = rng.standard_normal((experts, m, hidden), np.float32)
+    flop = 2.0 * experts * m * hidden * out
+    xj, wj = jax.device_put(x), jax.device_put(w)
+    row = {"m": m, "xla_threads": len(os.sched_getaffinity(0)),
+           "xla_gflops": flop / _best_time(lambda: einsum(xj, wj).block_until_ready()) / 1e9}
+    xt, wt = torch.from_numpy(x), torch.from_numpy(w)
+    for t in torch_threads:
+      torch.set_num_threads(t)
+      with torch.no_grad():
+        row[f"torch_{t}_gflops"] = flop / _best_time(lambda: torch.bmm(xt, wt)) / 1e9
+    row["loadavg_1m"] = os.getloadavg()[0]
+    rows.append(row)
+    print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}),
+          flush=True)
+  return rows
+
+
 def swap_row(label: str, flat: dict, cfg: ModelConfig, ec: EngineConfig, prompt_len: int,
              new_tokens: int, batch: int) -> dict:
   """What a swap while decoding costs (pause, deferred free, first decode call after it vs the
@@ -260,6 +304,15 @@ def markdown(report: dict) -> str:
                  f"{a['mean_abs_dlogprob']:.2e} | {a['bit_identical_fraction']:.1%} | "
                  f"{a['kl_k1']:.1e} | {a['kl_k3']:.1e} | {a['routing_agreement']:.2%} | "
                  f"{a['max_abs_dlogprob_free_routing']:.2e} |")
+  if report.get("matmul"):
+    ts = [k.split("_")[1] for k in report["matmul"][0] if k.startswith("torch_")]
+    lines += ["", "| expert matmul [8, m, 256] x [8, 256, 1024], m = | XLA einsum GFLOP/s "
+              "(threads) | " + " | ".join(f"torch.bmm GFLOP/s, {t} thread(s)" for t in ts) +
+              " | load avg |", "| --- | --- | " + "--- | " * len(ts) + "--- |"]
+    for r in report["matmul"]:
+      lines.append(f"| {r['m']} | {r['xla_gflops']:.0f} ({r['xla_threads']}) | " +
+                   " | ".join(f"{r[f'torch_{t}_gflops']:.0f}" for t in ts) +
+                   f" | {r['loadavg_1m']:.1f} |")
   lines += ["", "| model | params | in flight | swap pause | free old weights (in the first "
             "call) | first decode call after the swap / steady call (steps per call) | extra "
             "cost of the first call | prepare (pack) | plain reload (pack + compile + first "
@@ -305,8 +358,9 @@ def main(argv=None) -> int:
   max_len = -(-(args.prompt_len + args.new_tokens) // 32) * 32
   base = dict(max_slots=max(batches), max_len=max_len, decode_steps=args.decode_steps,
               length_bucket=32)
-  report["throughput"], report["agreement"] = [], {}
+  report["throughput"], report["agreement"], report["matmul"] = [], {}, []
   if not args.only_swap:
+    report["matmul"] = matmul_rates(ms=(4, 8) if args.quick else (16, 32, 64))
     engines = {"ours": Engine(model, config=EngineConfig(**base)),
                "ours_deterministic": Engine(model,
                                             config=EngineConfig(deterministic=True, **base))}

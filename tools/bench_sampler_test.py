@@ -30,6 +30,9 @@ def test_quick_run(tmp_path):
   assert swap["first_call_extra_s"] == swap["first_call_s"] - swap["steady_call_s"]
   for row in report["throughput"]:
     assert row["transformers_threads"] in (1, 2) and row["xla_threads"] >= 1
+  assert [r["m"] for r in report["matmul"]] == [4, 8]
+  for row in report["matmul"]:
+    assert row["xla_gflops"] > 0 and row["torch_1_gflops"] > 0 and row["torch_2_gflops"] > 0
 
 
 if __name__ == "__main__":
