@@ -6,13 +6,15 @@ simulator in `sync.sim`), the three scenarios the benchmark reports, and `compar
 run the synchronous baseline and asynchronous runs on the same prompts.
 
 Why: the numbers in BENCHMARKS.md must come from one place, with each assumption written next to
-the figure it sets; `calibration_scenario` takes the quantities `//tools:bench_async` measures so
-the small scenario can be pinned to this machine.
+the figure it sets; `calibration_from_bench` builds the small scenario from the quantities a
+`//tools:bench_async` run measured on this machine, so its prediction can be checked against
+that run.
 """
 
 import dataclasses
 import functools
 import math
+import statistics
 
 from pipeline import simulator as sm
 from sync import sim as sync_sim
@@ -96,35 +98,71 @@ def sync_from_fanout(samplers: int, accelerators_per_replica: int, learner_accel
   return sm.WeightSync(tuple(ready), tuple(pauses))
 
 
-def calibration_scenario(*, decode_step_s: float = 0.0057, decode_step_per_seq_s: float = 0.00038,
-                         train_step_s: float = 1.0, train_s_per_token: float = 1e-4,
-                         env_median_s: float = 0.5, env_p99_s: float = 3.0,
-                         sync_s: float = 0.3, sync_pause_s: float = 0.1, slots: int = 64,
-                         prompts: int = 8, attempts: int = 8, prompt_tokens: int = 64,
-                         response_median: int = 64, response_p99: int = 512,
-                         prefill_s_per_token: float = 1e-4) -> Scenario:
-  """(a) One sampler and the learner sharing this machine's cores; pass measured figures here.
+def episode_env_from_group(median_s: float, p99_s: float, attempts: int) -> tuple:
+  """Per-episode lognormal (median, p99) whose max over `attempts` draws has the given quantiles.
 
-  Defaults: decode step 5.7 ms + 0.38 ms per sequence (a linear fit of transformers' generate on
-  the tiny Mixtral here: 164 / 1,115 / 2,142 tokens/s at batch 1 / 16 / 64); learner step 1 s +
-  0.1 ms per token (not yet measured: //tools:bench_async will give it); sandbox test runs
-  lognormal with median 0.5 s, p99 3 s. Training stalls the sampler (shared cores).
+  The real pipeline grades a group's attempts one after another and the group is ready when the
+  last one is graded; the simulator draws each episode's environment time independently and a
+  group completes with its slowest episode. Matching the group-time quantiles means solving
+  Phi((ln g - mu) / s) ** attempts = q at q = 0.5 and 0.99 for mu and s.
+  """
+  if not 0 < median_s <= p99_s:
+    raise ValueError(f"need 0 < median_s <= p99_s, got {median_s}, {p99_s}")
+  nd = statistics.NormalDist()
+  z50, z99 = nd.inv_cdf(0.5 ** (1 / attempts)), nd.inv_cdf(0.99 ** (1 / attempts))
+  s = (math.log(p99_s) - math.log(median_s)) / (z99 - z50)
+  mu = math.log(median_s) - s * z50
+  return math.exp(mu), math.exp(mu + s * nd.inv_cdf(0.99))
+
+
+def calibration_scenario(*, decode_step_s: float, decode_step_per_seq_s: float,
+                         train_step_s: float, env_median_s: float, env_p99_s: float,
+                         sync_s: float, sync_pause_s: float, slots: int, prompts: int,
+                         attempts: int, prompt_tokens: int, response_median: float,
+                         response_p99: float, max_tokens: int, env_workers: int = 0,
+                         train_s_per_token: float = 0.0, prefill_s_per_token: float = 0.0,
+                         source: str = "given") -> Scenario:
+  """(a) One sampler and the learner sharing this machine's cores, from measured figures.
+
+  Every figure is a parameter; `calibration_from_bench` fills them from a `//tools:bench_async`
+  JSON. The learner's batch has a fixed shape, so its step time is one constant; prefill is
+  amortised into the measured decode step. Training stalls the sampler (shared cores); grading
+  is not modelled as competing for the cores.
   """
   w = sm.Workload(prompts, attempts, prompt_tokens, response_median, response_p99,
-                  response_p99, env_median_s, env_p99_s)
+                  max_tokens, env_median_s, env_p99_s)
   inf = sm.InferencePool(1, slots, decode_step_s, decode_step_per_seq_s, prefill_s_per_token)
   return Scenario(
       "a: calibration (this machine, shared cores)", w, inf,
-      sm.TrainingPool(train_step_s, train_s_per_token), sm.WeightSync.constant(1, sync_s,
-                                                                              sync_pause_s),
-      shared_compute=True,
+      sm.TrainingPool(train_step_s, train_s_per_token),
+      sm.WeightSync.constant(1, sync_s, sync_pause_s), shared_compute=True,
+      env_workers=env_workers,
       assumptions=(
+          f"figures from {source}",
           f"1 sampler x {slots} slots; decode step {decode_step_s * 1e3:.1f} ms + "
-          f"{decode_step_per_seq_s * 1e3:.2f} ms/seq (fit to transformers generate here)",
-          f"{prompts} prompts x {attempts} attempts; response median {response_median}, p99 "
-          f"{response_p99} tokens (clip); env median {env_median_s} s, p99 {env_p99_s} s",
-          f"learner {train_step_s} s + {train_s_per_token * 1e3:.2f} ms/token, stalls the "
-          f"sampler (shared cores); sync {sync_s} s, pause {sync_pause_s} s"))
+          f"{decode_step_per_seq_s * 1e3:.3f} ms/seq",
+          f"{prompts} prompts x {attempts} attempts; response median {response_median:g}, p99 "
+          f"{response_p99:g}, max {max_tokens} tokens; env per episode median "
+          f"{env_median_s:.2f} s, p99 {env_p99_s:.2f} s, {env_workers or 'unlimited'} at once",
+          f"learner {train_step_s:.2f} s/step, stalls the sampler (shared cores); sync "
+          f"{sync_s:.2f} s, pause {sync_pause_s:.3f} s"))
+
+
+def calibration_from_bench(cal: dict, source: str = "bench_async") -> Scenario:
+  """`calibration_scenario` from one workload's `calibration` entry of a bench_async JSON."""
+  g = cal["group_grade_s"]
+  env_median, env_p99 = episode_env_from_group(g["median"], max(g["p99"], g["median"]),
+                                               cal["attempts"])
+  r = cal["response_tokens"]
+  median = max(1.0, r["median"])
+  return calibration_scenario(
+      decode_step_s=cal["decode_step_s"], decode_step_per_seq_s=cal["decode_step_per_seq_s"],
+      train_step_s=cal["train_step_s"], env_median_s=env_median, env_p99_s=env_p99,
+      sync_s=cal["sync_s"], sync_pause_s=min(cal["sync_pause_s"], cal["sync_s"]),
+      slots=cal["slots"], prompts=cal["prompts"], attempts=cal["attempts"],
+      prompt_tokens=int(round(cal["prompt_tokens"])), response_median=median,
+      response_p99=max(median, r["p99"]), max_tokens=cal["max_new_tokens"],
+      env_workers=cal["grade_workers"] * cal["attempts"], source=source)
 
 
 def _moe_scenario(name, *, accelerators, inference_frac, per_replica, slots, total_params,

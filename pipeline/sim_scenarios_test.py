@@ -5,6 +5,8 @@ Tolerance policy: closed-form arithmetic is compared with pytest.approx at its d
 """
 
 import dataclasses
+import math
+import statistics
 import sys
 
 import pytest
@@ -37,8 +39,38 @@ def test_sync_from_fanout_matches_sync_sim():
   assert ws.max_pause_s == pytest.approx(ref.max_pause_s)
 
 
+CAL = dict(decode_step_s=0.004, decode_step_per_seq_s=0.0002, train_step_s=0.5, publish_s=0.05,
+           sync_s=0.2, sync_pause_s=0.01, group_grade_s={"median": 4.0, "p99": 12.0},
+           response_tokens={"median": 30.0, "p99": 40.0}, prompt_tokens=120.0, prompts=4,
+           attempts=8, max_new_tokens=40, grade_workers=8, slots=32)
+
+
+def test_episode_env_from_group_matches_group_quantiles():
+  med, p99 = sc.episode_env_from_group(4.0, 12.0, 8)
+  assert med < 4.0 and p99 < 12.0
+  sigma = (math.log(p99) - math.log(med)) / statistics.NormalDist().inv_cdf(0.99)
+  nd = statistics.NormalDist(math.log(med), sigma)
+  for g, q in ((4.0, 0.5), (12.0, 0.99)):  # P(max of 8 <= g) = cdf(g) ** 8
+    assert nd.cdf(math.log(g)) ** 8 == pytest.approx(q)
+  assert sc.episode_env_from_group(4.0, 12.0, 1) == pytest.approx((4.0, 12.0))
+  with pytest.raises(ValueError):
+    sc.episode_env_from_group(2.0, 1.0, 8)
+
+
+def test_calibration_from_bench_carries_every_figure():
+  scn = sc.calibration_from_bench(CAL)
+  assert scn.shared_compute and scn.env_workers == 64
+  assert (scn.inference.slots, scn.inference.step_s) == (32, 0.004)
+  assert scn.inference.step_per_seq_s == 0.0002
+  assert scn.training.step_time(1e6) == 0.5  # fixed-shape batch: no per-token term
+  assert scn.sync.end_to_end_s == pytest.approx(0.2) and scn.sync.max_pause_s == 0.01
+  w = scn.workload
+  assert (w.prompts_per_step, w.attempts, w.prompt_tokens, w.max_tokens) == (4, 8, 120, 40)
+  assert (w.env_median_s, w.env_p99_s) == pytest.approx(sc.episode_env_from_group(4.0, 12.0, 8))
+
+
 def test_calibration_scenario_async_beats_sync_and_table():
-  scn = sc.calibration_scenario(train_step_s=0.5, prompts=4)
+  scn = sc.calibration_from_bench(CAL)
   rows = sc.compare(scn, [4], steps=6)
   assert [k for k, _ in rows] == [0, 4]
   sync, async4 = rows[0][1], rows[1][1]

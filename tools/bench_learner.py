@@ -2,7 +2,10 @@ r"""Learner throughput: trained tokens/s and model-FLOPs utilisation of `rl.lear
 
 Runs warm-up steps (compilation) and then timed steps on random full-length rows, for the
 next-token objective or the RL policy objective (which adds the no-grad proximal pass), and
-reports tokens/s, step time and MFU (rl/flops.py) against a chip's datasheet peak.
+reports tokens/s, step time and MFU (rl/flops.py) against a peak: a chip's datasheet figure
+(--chip), a given one (--peak_tflops), or by default the best rate of square jitted matmuls in the
+model's dtype measured on this machine in the same run (`matmul_peak`), so the MFU on a CPU is
+against what this CPU was shown to reach, not one small matmul's rate.
 
   bazel run //tools:bench_learner -- --gin moe/configs/tiny.gin --seq_len 256 --batch_rows 8
   .venv/bin/python -m tools.bench_learner --gin moe/configs/tiny.gin --objective policy \
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -43,8 +47,34 @@ def random_batch(cfg, rows: int, seq_len: int, policy: bool, seed: int = 0) -> d
   return b
 
 
+def matmul_peak(dtype="float32", sizes=(256, 512, 1024, 2048), repeats: int = 5) -> dict:
+  """Best measured rate of jitted [n, n] x [n, n] matmuls on the default device, in FLOP/s.
+
+  Each size is compiled and run once, then timed `repeats` times (best kept); the rate is
+  2 n^3 / seconds. Returns {"flops": best, "n": its size, "rates": {n: FLOP/s}}.
+  """
+  f = jax.jit(lambda a, b: a @ b)
+  rates = {}
+  for n in sizes:
+    k1, k2 = jax.random.split(jax.random.PRNGKey(n))
+    a = jax.random.normal(k1, (n, n), dtype)
+    b = jax.random.normal(k2, (n, n), dtype)
+    f(a, b).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+      t0 = time.perf_counter()
+      f(a, b).block_until_ready()
+      best = min(best, time.perf_counter() - t0)
+    rates[n] = 2 * n ** 3 / best
+  n = max(rates, key=rates.get)
+  return {"flops": rates[n], "n": n, "rates": rates}
+
+
 def bench(cfg, *, seq_len: int, batch_rows: int, steps: int, warmup: int, objective: str,
-          mesh_shape, micro_batches: int, chip=None, peak_tflops=None) -> dict:
+          mesh_shape, micro_batches: int, chip=None, peak_tflops=None,
+          measure_peak: bool = False) -> dict:
+  """Times `steps` learner steps after `warmup`; MFU against `peak_tflops`, `chip`'s datasheet
+  peak, or (measure_peak, neither given) the best matmul rate measured here after the steps."""
   mesh = sharding.make_mesh(mesh_shape)
   loss = LossConfig(objective=objective, replay="on", policy=PolicyLossConfig())
   learner = Learner(cfg, mesh=mesh, loss_cfg=loss, opt_cfg=OptimizerConfig(),
@@ -58,6 +88,11 @@ def bench(cfg, *, seq_len: int, batch_rows: int, steps: int, warmup: int, object
   dt = (time.perf_counter() - t0) / steps
   tokens = batch_rows * seq_len
   peak = peak_tflops * 1e12 if peak_tflops else flops.peak_flops(chip)
+  source = "given" if peak_tflops else (f"datasheet {chip}" if chip else None)
+  measured = None
+  if peak is None and measure_peak:
+    measured = matmul_peak(cfg.dtype)
+    peak, source = measured["flops"], f"best measured {cfg.dtype} matmul here (n={measured['n']})"
   out = {
       "backend": jax.default_backend(), "devices": int(np.prod(mesh_shape)),
       "objective": objective, "seq_len": seq_len, "batch_rows": batch_rows,
@@ -68,7 +103,19 @@ def bench(cfg, *, seq_len: int, batch_rows: int, steps: int, warmup: int, object
   }
   if peak:
     out["mfu"] = flops.mfu(tokens / dt, cfg, seq_len, peak, out["devices"])
+    out["peak_tflops"] = peak / 1e12
+    out["peak_source"] = source
+  if measured is not None:
+    out["matmul_tflops_by_n"] = {str(n): r / 1e12 for n, r in measured["rates"].items()}
   return out
+
+
+def _cpu_name() -> str:
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      return next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), "")
+  except OSError:
+    return ""
 
 
 def main(argv=None) -> int:
@@ -83,7 +130,9 @@ def main(argv=None) -> int:
   p.add_argument("--mesh", default="1,1,1,1", help="data,fsdp,expert,tensor")
   p.add_argument("--micro_batches", type=int, default=1)
   p.add_argument("--chip", default=None, help=f"one of {sorted(flops.PEAK_FLOPS)}")
-  p.add_argument("--peak_tflops", type=float, default=None, help="peak per device, TFLOP/s")
+  p.add_argument("--peak_tflops", type=float, default=None,
+                 help="peak per device, TFLOP/s (default: without --chip, the best matmul "
+                      "rate measured in this run)")
   args = p.parse_args(argv)
   flops.peak_flops(args.chip)  # unknown chips fail before the run
   configs.parse(args.gin or ["moe/configs/tiny.gin"], args.binding)
@@ -94,7 +143,9 @@ def main(argv=None) -> int:
                  warmup=args.warmup, objective=args.objective,
                  mesh_shape=tuple(int(x) for x in args.mesh.split(",")),
                  micro_batches=args.micro_batches, chip=args.chip,
-                 peak_tflops=args.peak_tflops)
+                 peak_tflops=args.peak_tflops, measure_peak=True)
+  result["machine"] = {"cpu": _cpu_name(), "xla_cpu_threads": len(os.sched_getaffinity(0)),
+                       "loadavg": list(os.getloadavg())}
   print(json.dumps(result, indent=1))
   return 0
 

@@ -3,13 +3,16 @@
 Runs three scenarios from `pipeline.sim_scenarios` and prints, per scenario, its assumptions, a
 table (synchronous baseline and asynchronous runs at several max staleness k, same prompts,
 speedups against the synchronous run of the same invocation) and where the bottleneck is:
-  (a) calibration: this machine's shape (one sampler and the learner sharing the cores);
+  (a) calibration: this machine's shape (one sampler and the learner sharing the cores), built
+      from the figures a `//tools:bench_async --json FILE` run measured (`--measured FILE`), and
+      its prediction next to that run's measured wall times; skipped without `--measured`;
   (b) separate pools: 64 accelerators, a 30B-A3B MoE, inference on a third;
   (c) at scale: 4096 accelerators over four clusters, a 1T-A32B MoE coding agent, sweeping
       the inference fraction and k.
 
   bazel run //tools:sim_pipeline             # all three (a few minutes on two busy cores)
   bazel run //tools:sim_pipeline -- --quick  # fewer steps and sweep points
+  bazel run //tools:sim_pipeline -- --measured /tmp/bench_async.json --only_measured
 """
 
 import argparse
@@ -18,6 +21,42 @@ import sys
 import time
 
 from pipeline import sim_scenarios as sc
+
+
+def predicted_vs_measured(report: dict, seed: int = 0) -> list:
+  """Per workload of a bench_async JSON: the calibration scenario's sync and async runs
+  (simulated with that run's steps and k, from its measured figures) beside the measured ones."""
+  k, steps = report["args"]["staleness"], report["args"]["steps"]
+  rows = []
+  for env, cal in report["calibration"].items():
+    scn = sc.calibration_from_bench(cal, source=f"bench_async ({env})")
+    sim = dict(sc.compare(scn, [k], steps, seed))
+    meas = report["summary"][env]
+    rows.append(dict(
+        workload=env, k=k, steps=steps, scenario=scn,
+        predicted_sync_s=sim[0].wall_s, predicted_async_s=sim[k].wall_s,
+        predicted_speedup=sim[0].wall_s / sim[k].wall_s,
+        predicted_bottleneck=(sim[0].bottleneck, sim[k].bottleneck),
+        measured_sync_s=meas["sync"]["wall_s"], measured_async_s=meas["async"]["wall_s"],
+        measured_sync_range=(meas["sync"]["wall_min_s"], meas["sync"]["wall_max_s"]),
+        measured_async_range=(meas["async"]["wall_min_s"], meas["async"]["wall_max_s"]),
+        measured_speedup=meas["speedup"]))
+  return rows
+
+
+def predicted_vs_measured_table(rows) -> str:
+  """Markdown: predicted and measured wall times and speedups, one row per workload."""
+  out = ["| workload | mode | predicted wall s | measured wall s, median (min-max) | "
+         "predicted / measured |", "| --- | --- | --- | --- | --- |"]
+  for r in rows:
+    for mode, label in (("sync", "sync"), ("async", f"async k={r['k']}")):
+      p, m, (lo, hi) = (r[f"predicted_{mode}_s"], r[f"measured_{mode}_s"],
+                        r[f"measured_{mode}_range"])
+      out.append(f"| {r['workload']} | {label} | {p:.1f} | {m:.1f} ({lo:.1f}-{hi:.1f}) | "
+                 f"{p / m:.2f} |")
+    out.append(f"| {r['workload']} | speedup | {r['predicted_speedup']:.2f}x | "
+               f"{r['measured_speedup']:.2f}x | {r['predicted_speedup'] / r['measured_speedup']:.2f} |")
+  return "\n".join(out) + "\n"
 
 
 def _statements(rows):
@@ -63,6 +102,8 @@ def main(argv=None):
   p.add_argument("--quick", action="store_true")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--json", help="also write the figures here")
+  p.add_argument("--measured", help="a bench_async --json file: builds scenario (a) from it")
+  p.add_argument("--only_measured", action="store_true", help="scenario (a) only")
   args = p.parse_args(argv)
   ks = [int(x) for x in args.ks.split(",")]
   fractions = [float(x) for x in args.fractions.split(",")]
@@ -71,8 +112,23 @@ def main(argv=None):
     args.steps, args.scale_steps, ks, fractions, sweep_ks = 8, 6, [4], [0.333, 0.667], [4]
   out, t0 = {}, time.time()
 
-  a = sc.calibration_scenario()
-  _report(a, sc.compare(a, ks, args.steps, args.seed), out=out)
+  if args.measured:
+    with open(args.measured, encoding="utf-8") as fh:
+      report = json.load(fh)
+    pvm = predicted_vs_measured(report, args.seed)
+    for r in pvm:
+      _report(r["scenario"], sc.compare(r["scenario"], ks, args.steps, args.seed), out=out)
+    print(f"\n### a: predicted vs measured ({args.measured}; {report['args']['steps']} steps, "
+          f"machine {report['machine_before']['cpu']}, "
+          f"{report['machine_before']['cores_usable']} cores)\n")
+    print(predicted_vs_measured_table(pvm), flush=True)
+    out["predicted_vs_measured"] = [{k: v for k, v in r.items() if k != "scenario"}
+                                    for r in pvm]
+  else:
+    print("\n(a) skipped: pass --measured FILE from `//tools:bench_async -- --json FILE`")
+  if args.only_measured:
+    _dump(args.json, out)
+    return 0
 
   b = sc.separate_pools_scenario()
   rows = sc.compare(b, ks, args.steps, args.seed)
@@ -103,8 +159,13 @@ def main(argv=None):
                         bottleneck=r.bottleneck, shares=r.shares))
   out["sweep"] = sweep
   print(f"\n(simulated in {time.time() - t0:.0f} s)")
-  if args.json:
-    with open(args.json, "w") as fh:
+  _dump(args.json, out)
+  return 0
+
+
+def _dump(path, out):
+  if path:
+    with open(path, "w", encoding="utf-8") as fh:
       json.dump(out, fh, indent=1)
 
 
