@@ -3,10 +3,12 @@
 `python -m rl.multihost_smoke --num_processes 2 --process_id I --port P` (one command per
 process) initialises `jax.distributed` (CPU collectives over gloo on the CPU), builds one mesh over
 all processes' devices with the batch split across them, runs a few deterministic learner steps
-and prints the losses as JSON on the last line. Even steps give every process the global batch,
-odd steps give each process only its own rows (`process_local`), so both placements are checked. With `--num_processes 1` it runs the same program
-in one process, which is how the multi-host path is checked on a single machine: the losses must
-agree. On a cluster the same entry point runs once per host.
+and prints, as JSON on the last line, each step's loss, trained tokens and policy version and how
+far each weight moved. Even steps give every process the global batch, odd steps give each
+process only its own rows (`process_local`), so both placements are checked. With
+`--num_processes 1` it runs the same program in one process, which is how the multi-host path is
+checked on a single machine: the figures must agree. On a cluster the same entry point runs once
+per host.
 """
 
 from __future__ import annotations
@@ -47,19 +49,29 @@ def smoke_batches(steps: int, rows: int, length: int, vocab: int, seed: int = 0)
            "loss_mask": np.ones((rows, length), np.int32)}
 
 
-def run(steps: int = 4, rows: int = 4, length: int = 8) -> list[float]:
+def run(steps: int = 4, rows: int = 4, length: int = 8) -> dict:
+  """Trains `steps` steps; returns what shows they trained, for comparison across processes.
+
+  {"losses": [per step], "steps": [{"loss", "tokens", "policy_version"} per step],
+   "weight_change": {weight name: L2 norm of final - initial}}.
+  """
   devices = jax.devices()  # global: every process's devices
   mesh = sharding.make_mesh((len(devices), 1, 1, 1), devices)
   learner = Learner(SMOKE_CFG, mesh=mesh, opt_cfg=OptimizerConfig(learning_rate=1e-2),
-                    micro_batches=2)
-  losses = []
+                    micro_batches=2, sampler_dtype="float32")
+  initial, _ = learner.sampler_weights()  # all-gathered: every process calls it
+  records = []
   n_proc, pid = jax.process_count(), jax.process_index()
   for i, b in enumerate(smoke_batches(steps, rows * len(devices), length, SMOKE_CFG.vocab_size)):
     if i % 2:  # odd steps: each process passes only its own rows
       per = b["tokens"].shape[0] // n_proc
       b = {k: v[pid * per:(pid + 1) * per] for k, v in b.items()}
-    losses.append(learner.train_step(b, process_local=bool(i % 2))["loss"])
-  return losses
+    m = learner.train_step(b, process_local=bool(i % 2))
+    records.append({"loss": m["loss"], "tokens": m["tokens"],
+                    "policy_version": int(m["policy_version"])})
+  final, _ = learner.sampler_weights()
+  change = {k: float(np.linalg.norm(final[k] - initial[k])) for k in sorted(initial)}
+  return {"losses": [r["loss"] for r in records], "steps": records, "weight_change": change}
 
 
 def main(argv=None) -> int:
@@ -71,9 +83,9 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   if args.num_processes > 1:
     initialize(f"127.0.0.1:{args.port}", args.num_processes, args.process_id)
-  losses = run(args.steps)
+  result = run(args.steps)
   print(json.dumps({"process_id": args.process_id, "process_count": jax.process_count(),
-                    "devices": jax.device_count(), "losses": losses}))
+                    "devices": jax.device_count(), **result}))
   sys.stdout.flush()
   return 0
 
