@@ -19,6 +19,7 @@ from launch import discovery
 from launch import local
 from launch import spec
 from launch import targets
+from tests import waiting
 
 SERVER = spec.PyModule("launch.testdata.echo_server")
 CLIENT = spec.PyModule("launch.testdata.echo_client")
@@ -29,13 +30,25 @@ def _executor(tmp_path, **kw):
   return local.LocalExecutor(str(tmp_path), use_bazel=False, grace_s=1.0, **kw)
 
 
-def _alive(pid: int) -> bool:
-  """True if `pid` exists and is not a zombie."""
+def _pids_in(pid_file, n: int, run: local.ExperimentRun) -> list[int]:
+  """The pids the sleepers wrote to `pid_file`, once there are `n` of them (else stops `run`)."""
+  def read():
+    pids = pid_file.read_text().split() if pid_file.exists() else []
+    return len(pids) >= n and [int(p) for p in pids]
   try:
-    with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
-      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-  except OSError:
-    return False
+    return waiting.wait_until(read, f"{n} pids in {pid_file}")
+  except TimeoutError:
+    run.stop(reason="test failed")
+    raise
+
+
+def _wait_or_stop(run: local.ExperimentRun) -> None:
+  """Waits for `run` to end; if it does not in time, stops its jobs and fails."""
+  if not run.wait(timeout=waiting.DEFAULT_TIMEOUT_S):
+    summary = run.summary()
+    run.stop(reason="test failed")
+    raise TimeoutError(f"the experiment did not end in {waiting.DEFAULT_TIMEOUT_S:g}s:\n"
+                       f"{summary}")
 
 
 def test_work_unit_jobs_find_each_other_by_name(tmp_path):
@@ -73,9 +86,9 @@ def test_failing_job_stops_its_work_unit(tmp_path):
           spec.Job("bad", spec.PyModule("launch.testdata.fail_job"), args={"code": 7,
                                                                            "delay": 0.2})]
   ex = _executor(tmp_path)
-  t0 = time.monotonic()
-  run = ex.run(spec.sweep("fail", jobs))
-  assert time.monotonic() - t0 < 20
+  run = ex.launch(spec.sweep("fail", jobs))
+  # Without the failure policy the server would wait for its clients forever.
+  _wait_or_stop(run)
   st = run.statuses[0]
   assert (st["bad"].state, st["bad"].returncode) == ("failed", 7)
   assert st["server"].state == "stopped" and st["server"].returncode == -signal.SIGTERM
@@ -83,7 +96,7 @@ def test_failing_job_stops_its_work_unit(tmp_path):
   with open(st["bad"].log_path, encoding="utf-8") as f:
     assert "error: giving up" in f.read()  # stderr goes to the same log
   assert "stopping 1 job(s): 0/bad failed" in ex.out.getvalue()
-  assert not any(_alive(p) for p in run.pids())
+  waiting.wait_exited(run.pids())
 
 
 def test_failure_policy_continue_and_stop_experiment(tmp_path):
@@ -98,9 +111,8 @@ def test_failure_policy_continue_and_stop_experiment(tmp_path):
   exp = spec.Experiment("stopall", (spec.WorkUnit((jobs[0],)), spec.WorkUnit((sleeper,))))
   ex = _executor(tmp_path, on_failure="stop_experiment")
   run = ex.launch(exp)
-  while not (tmp_path / "pids").exists():  # the sleeper is up
-    time.sleep(0.05)
-  run.wait(timeout=30)
+  _pids_in(tmp_path / "pids", 2, run)  # the sleeper is up
+  _wait_or_stop(run)
   assert run.statuses[0]["bad"].state == "failed"
   assert run.statuses[1]["ok"].state == "stopped"
   with pytest.raises(spec.SpecError):
@@ -113,16 +125,15 @@ def test_sigterm_ignored_escalates_to_sigkill(tmp_path):
                  args=[f"--pid_file={pid_file}", "--ignore_term"], port=False)
   ex = _executor(tmp_path)
   run = ex.launch(spec.sweep("kill", [job]))
-  while not pid_file.exists() or len(pid_file.read_text().split()) < 2:
-    time.sleep(0.05)
+  pids = _pids_in(pid_file, 2, run)
   t0 = time.monotonic()
   run.stop(reason="test")
-  assert 0.9 < time.monotonic() - t0 < 10  # waited the grace period, then SIGKILL
+  # It waited the grace period (1 s) for the SIGTERM it ignored, then sent SIGKILL. No upper
+  # bound on the time: the exit status and the message show the escalation happened.
+  assert time.monotonic() - t0 >= 1.0
   assert run.statuses[0]["stubborn"].returncode == -signal.SIGKILL
-  assert "SIGKILL" in ex.out.getvalue()
-  pids = [int(p) for p in pid_file.read_text().split()]
-  time.sleep(0.2)
-  assert not any(_alive(p) for p in pids)
+  assert "[0/stubborn] did not exit in 1.0s: SIGKILL" in ex.out.getvalue()
+  waiting.wait_exited(pids)  # its child too: SIGKILL went to the whole process group
 
 
 def test_sigint_stops_every_process_group(tmp_path):
@@ -132,15 +143,19 @@ def test_sigint_stops_every_process_group(tmp_path):
       [sys.executable, "-m", "launch.testdata.run_experiment", str(tmp_path / "exp"),
        str(pid_file), "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
       env=targets.python_env(targets.workspace_root()), cwd=targets.workspace_root())
-  assert proc.stdout.readline().strip() == "launched"
+  line = proc.stdout.readline().strip()
+  if line != "launched":  # stop what did start before failing
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=waiting.DEFAULT_TIMEOUT_S)
+  assert line == "launched", line
   pids = [int(p) for p in pid_file.read_text().split()]
-  assert len(pids) == 8 and all(_alive(p) for p in pids)  # 2 units x 2 jobs x (job + child)
+  # 2 units x 2 jobs x (job + child)
+  assert len(pids) == 8 and all(waiting.pid_alive(p) for p in pids)
   proc.send_signal(signal.SIGINT)
-  out, _ = proc.communicate(timeout=30)
+  out, _ = proc.communicate(timeout=waiting.DEFAULT_TIMEOUT_S)
   assert proc.returncode == 130, out
   assert out.count("stopped") == 4, out
-  time.sleep(0.2)
-  assert [p for p in pids if _alive(p)] == []
+  waiting.wait_exited(pids)
 
 
 def test_sweep_2x2_runs_four_work_units_with_their_args(tmp_path):

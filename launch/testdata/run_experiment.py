@@ -1,7 +1,8 @@
 """Test helper: runs an experiment of sleeper jobs with LocalExecutor.run (for the SIGINT test).
 
 Usage: python -m launch.testdata.run_experiment <root_dir> <pid_file> <work_units> [--ignore_term]
-Prints "launched" once every job has recorded its pids, then waits; exit 130 when interrupted.
+Prints "launched" once every job has recorded its pids (or, after 60 s, "not launched: ..."),
+then waits; exit 130 when interrupted.
 """
 
 import sys
@@ -21,16 +22,19 @@ def main(argv) -> int:
   executor = local.LocalExecutor(root, use_bazel=False, grace_s=1.0, out=None)
 
   def announce():  # 2 pids (job + its child) per job once all are up
-    want = 4 * units
-    while True:
+    want, have = 4 * units, 0
+    deadline = time.monotonic() + 60  # the test reads this line; it must not wait forever
+    while time.monotonic() < deadline:
       try:
         with open(pid_file, encoding="utf-8") as f:
-          if len(f.read().split()) >= want:
-            break
+          have = len(f.read().split())
       except OSError:
         pass
+      if have >= want:
+        print("launched", flush=True)
+        return
       time.sleep(0.05)
-    print("launched", flush=True)
+    print(f"not launched: {have} of {want} pids after 60s", flush=True)
 
   threading.Thread(target=announce, daemon=True).start()
   run = executor.run(exp)
