@@ -303,8 +303,10 @@ class Zygote:
   # -- exec ------------------------------------------------------------------------------------
 
   def op_ping(self, req):
+    # Requests are served one at a time and the next spare is forked before the next request
+    # is read, so the answer to a ping after an exec names that exec's replacement spare.
     del req
-    return {"pid": os.getpid()}
+    return {"pid": os.getpid(), "spare_pid": self._spare.pid if self._spare else None}
 
   def op_exec(self, req):
     argv = req["argv"]

@@ -8,12 +8,12 @@ spare; a spare that died while waiting is replaced; stdin, cwd, env and limits r
 import os
 import signal
 import sys
-import time
 
 import pytest
 
 from envs import pool as pool_lib
 from envs import sandbox
+from tests import waiting
 
 _PROBE = """
 import os, sys, __main__
@@ -88,16 +88,25 @@ def _host_children(pid):
   return out
 
 
+def _ns_pid(host_pid):
+  """The pid of a host process in its innermost PID namespace (/proc/PID/status, NSpid)."""
+  with open(f"/proc/{host_pid}/status") as f:
+    return int(next(line for line in f if line.startswith("NSpid:")).split()[-1])
+
+
 def test_dead_spare_is_replaced(pool):
   with sandbox.Sandbox({}, pool=pool) as sb:
     assert sb.exec(["true"]).exit_code == 0
-    time.sleep(0.05)  # The zygote forks the next spare right after answering.
+    # Answered only once the zygote has forked the spare that follows the exec.
+    spare = sb.slot.spare_pid()
     bwrap = sb.slot.proc.pid
     zygotes = _host_children(bwrap) if not sb.slot.degraded else [bwrap]
     spares = [c for z in zygotes for c in _host_children(z)]
-    assert len(spares) == 1, spares
+    assert len(spares) == 1 and _ns_pid(spares[0]) == spare, (spares, spare)
     os.kill(spares[0], signal.SIGKILL)
-    time.sleep(0.05)
+    # Exited (a zombie until the zygote reaps it): its pipe ends are closed, so the zygote's
+    # hand-off to it fails and it forks another, which is what this test is about.
+    waiting.wait_exited(spares, "the killed spare to exit")
     r = sb.exec(["python3", "-c", "print('replaced')"])
     assert (r.exit_code, r.stdout, r.violations) == (0, "replaced\n", []), r
 

@@ -249,6 +249,16 @@ class Slot:
         self.close()
         raise
 
+  def spare_pid(self, timeout_s: float = 30.0) -> int | None:
+    """The pid of the zygote's waiting command process (the "spare"), or None if it has none.
+
+    The zygote forks the next spare right after answering a request and before reading the
+    next one, so this round trip returns only once the spare that follows the last request
+    exists: a test can look for it without sleeping. The pid is the sandbox's own (its PID
+    namespace's) unless the sandbox is degraded.
+    """
+    return self.request({"op": "ping"}, timeout_s=timeout_s)["spare_pid"]
+
   # -- files -----------------------------------------------------------------------------------
 
   def populate(self, files: dict[str, str | bytes]) -> None:
