@@ -19,6 +19,10 @@ from envs import policy as policy_lib
 INFRA = "infra_error"
 
 
+class ShapeMismatch(ValueError):
+  """A completion's per-token data (logprobs, versions, routing) does not match its tokens."""
+
+
 @dataclasses.dataclass
 class Segment:
   """One context window. Per-token lists all have len(token_ids) entries."""
@@ -37,19 +41,37 @@ class Segment:
     self.policy_versions += [-1] * len(ids)
 
   def add_completion(self, c: policy_lib.Completion) -> None:
-    """Tokens the model wrote, with what the sampler returned about them."""
+    """Tokens the model wrote, with what the sampler returned about them.
+
+    Logprobs, policy versions and routing may be absent (a server that does not report them),
+    but when present they must cover every completion token: a per-token list of another length,
+    or routing that is not [moe_layers, n, k] with this segment's layers and k, raises
+    ShapeMismatch instead of being dropped, since training on misaligned per-token data (or
+    silently without router replay) is worse than stopping.
+    """
     start, n = len(self.token_ids), len(c.token_ids)
+    for name, values in (("logprobs", c.logprobs), ("policy_versions", c.policy_versions)):
+      if values is not None and len(values) != n:
+        raise ShapeMismatch(f"completion has {n} tokens but {len(values)} {name}")
+    routing = None
+    if c.routing is not None and n:
+      routing = np.asarray(c.routing)
+      if routing.ndim != 3 or routing.shape[1] != n:
+        raise ShapeMismatch(f"completion routing has shape {routing.shape}, expected "
+                            f"(moe_layers, {n}, k)")
+      if self.routing_chunks:
+        layers, _, k = self.routing_chunks[0][1].shape
+        if (routing.shape[0], routing.shape[2]) != (layers, k):
+          raise ShapeMismatch(f"completion routing has shape {routing.shape}, but earlier "
+                              f"completions of this segment had (moe_layers={layers}, k={k})")
     self.token_ids += list(c.token_ids)
     self.model_mask += [True] * n
-    lp = list(c.logprobs) if c.logprobs is not None and len(c.logprobs) == n else [0.0] * n
+    lp = list(c.logprobs) if c.logprobs is not None else [0.0] * n
     self.logprobs += [float(x) if x is not None else 0.0 for x in lp]
-    pv = c.policy_versions if c.policy_versions is not None and len(c.policy_versions) == n \
-        else [-1] * n
+    pv = c.policy_versions if c.policy_versions is not None else [-1] * n
     self.policy_versions += [int(v) for v in pv]
-    if c.routing is not None and n:
-      r = np.asarray(c.routing)
-      if r.ndim == 3 and r.shape[1] == n:
-        self.routing_chunks.append((start, r.astype(np.int32)))
+    if routing is not None:
+      self.routing_chunks.append((start, routing.astype(np.int32)))
 
   def __len__(self) -> int:
     return len(self.token_ids)
@@ -61,9 +83,8 @@ class Segment:
       return None
     layers, _, k = self.routing_chunks[0][1].shape
     out = np.full((layers, len(self.token_ids), k), -1, np.int32)
-    for start, r in self.routing_chunks:
-      if r.shape[0] == layers and r.shape[2] == k:
-        out[:, start:start + r.shape[1]] = r
+    for start, r in self.routing_chunks:  # shapes checked by add_completion
+      out[:, start:start + r.shape[1]] = r
     return out
 
 
