@@ -106,7 +106,25 @@ def test_staleness_bound_drops_and_counts_tokens():
   assert m["stale_tokens"] == 2 * trained_per_row
   assert m["tokens"] == 2 * trained_per_row
   np.testing.assert_array_equal(m["staleness_hist"][:4], [6, 6, 0, 12])
-  assert 0.0 <= m["routing_agreement"] <= 1.0
+  # The recorded routing is the learner's own, and agreement counts every token (stale ones too).
+  assert m["routing_agreement"] == 1.0
+
+
+def test_routing_agreement_counts_what_the_sampler_chose_differently():
+  """Row 0 records the k experts the learner did not choose (agreement 0), row 1 swaps one of
+  its two for an unchosen one (1/2), rows 2-3 record the learner's own: (0 + 1/2 + 1 + 1) / 4."""
+  learner = _policy_learner(True, sharding.make_mesh((1, 1, 1, 1)), replay="off")
+  batch = _own_rollouts(learner)
+  own = batch["routing"]  # [N, T, L, k]
+  batch["routing"] = own.copy()
+  others = np.array([[e for e in range(CFG.num_experts) if e not in chosen]
+                     for chosen in own[0].reshape(-1, CFG.num_experts_per_tok)])
+  batch["routing"][0] = others.reshape(own[0].shape)
+  batch["routing"][1, ..., 1] = np.array(
+      [[e for e in range(CFG.num_experts) if e not in chosen][0]
+       for chosen in own[1].reshape(-1, CFG.num_experts_per_tok)]).reshape(own.shape[1:3])
+  m = learner.train_step(batch)
+  assert m["routing_agreement"] == pytest.approx((0 + 0.5 + 1 + 1) / 4, abs=1e-6)
 
 
 def test_bf16_compute_keeps_fp32_master_weights():
