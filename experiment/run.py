@@ -137,6 +137,9 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
         echo: Callable[[str], None] = print, evaluate: bool = True) -> dict:
   """Runs the experiment; returns the summary (also written to run_dir/summary.json).
 
+  summary["rl"] holds the RL phase's totals: steps, groups written, episodes trained, episodes
+  masked as infrastructure failures, and the final policy version (what shows RL trained).
+
   With evaluate=False only the training phases run (the `//tools:train` entry point).
   """
   t_start = time.time()
@@ -174,6 +177,8 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
     t0 = time.time()
     r = cfg.rl
     rl_learner = make_rl_learner(cfg, model, mesh)
+    rl_totals = {"steps": 0, "groups": 0, "trained_episodes": 0, "infra_failures": 0,
+                 "policy_version": rl_learner.policy_version}
     step_groups: dict = {}
 
     def on_group(g):
@@ -201,6 +206,10 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
           on_group=on_group)
       rep.end_phase()
       rl_learner = result.learner
+      rl_totals = {"steps": result.steps, "groups": result.groups,
+                   "trained_episodes": result.batcher["trained_episodes"],
+                   "infra_failures": result.batcher["infra_failures"],
+                   "policy_version": rl_learner.policy_version}
       echo(f"RL: {result.steps} steps, {result.groups} groups in {result.wall_s:.0f}s "
            f"(learner waited {result.learner_wait_s:.0f}s, trained {result.learner_train_s:.0f}s)")
     timings["rl_s"] = time.time() - t0
@@ -225,6 +234,7 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
       "timings_s": {k: round(v, 1) for k, v in timings.items()},
       "plots": [os.path.basename(x) for x in plots],
       "final_model": os.path.join(run_dir, "final_model"),
+      "rl": rl_totals,
   }
   rows = []
   if evaluate:
