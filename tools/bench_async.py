@@ -223,8 +223,14 @@ def run_mode(name, k, model, tasks, pool, args, workdir, steps=None, quiet=False
         resp.append(n)
         prompt.append(len(ep.tokens) - n)
 
+  learner_steps = []
+
   def on_step(step, metrics, info):
     lags.append(info["max_lag"])
+    # What shows the step trained (rl.testing checks these in the tests).
+    learner_steps.append({"loss": float(metrics["loss"]), "tokens": float(metrics["tokens"]),
+                          "trained_episodes": int(info["trained_episodes"]),
+                          "policy_version": int(metrics["policy_version"])})
     if not quiet:
       r = np.mean(rewards.get(step - 1, [0.0]))
       print(f"  [{name}] step {step:3d}  reward {r:.3f}  max lag {info['max_lag']}  "
@@ -239,7 +245,8 @@ def run_mode(name, k, model, tasks, pool, args, workdir, steps=None, quiet=False
   return {"mode": name, "max_staleness": k, "wall_s": res.wall_s, "steps": res.steps,
           "learner_idle_frac": res.learner_wait_s / res.wall_s,
           "learner_train_s": res.learner_train_s, "learner_publish_s": res.learner_publish_s,
-          "max_lag": max(lags) if lags else 0, "reward_curve": curve,
+          "max_lag": max(lags) if lags else 0, "learner_steps": learner_steps,
+          "reward_curve": curve,
           "mean_reward": float(np.mean(curve)), "grade_s": grade_s,
           "response_tokens": resp, "prompt_tokens": prompt,
           "swaps": [{key: s[key] for key in ("fetch_s", "decode_s", "pause_s")}

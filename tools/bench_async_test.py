@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from rl import testing as rl_testing
 from tools import bench_async
 
 
@@ -95,6 +96,10 @@ def test_end_to_end_tiny(tmp_path):
   runs = r["runs"]["light"]
   assert [x["mode"] for x in runs] == ["sync", "async", "async", "sync"]
   assert all(x["steps"] == 1 and x["wall_s"] > 0 for x in runs)
+  # Each timed run trained its 2 prompts x 2 attempts: runs that trained nothing would make the
+  # comparison time nothing.
+  for x in runs:
+    rl_testing.assert_steps_trained(x["learner_steps"], steps=1, episodes_per_step=4)
   assert len(r["summary"]["light"]["pair_speedups"]) == 2
   c = r["calibration"]["light"]
   assert [p[0] for p in c["decode_points"]] == [1, 2, 4]
