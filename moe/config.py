@@ -105,7 +105,6 @@ class ModelConfig:
     need(self.expert_impl in EXPERT_IMPLS, f"expert_impl must be one of {EXPERT_IMPLS}")
     need(self.capacity_factor is None or self.capacity_factor > 0,
          "capacity_factor must be positive or None")
-    need(self.head_dim is None or self.head_dim % 2 == 0, "head_dim must be even (RoPE)")
     need(self.resolved_head_dim % 2 == 0, "head_dim must be even (RoPE)")
     for f in ("param_dtype", "dtype"):
       need(getattr(self, f) in ("float32", "bfloat16", "float16"),

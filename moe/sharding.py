@@ -7,7 +7,7 @@ Layers annotate every parameter with logical axis names (`embed`, `heads`, `mlp`
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 import numpy as np
@@ -108,11 +108,6 @@ def batch_spec(ndim: int) -> P:
   return P(BATCH_AXES, *([None] * (ndim - 1)))
 
 
-def shard_batch(x: Any, mesh: Mesh) -> Any:
-  """Places every array of a pytree with its leading (batch) dim split over BATCH_AXES."""
-  return jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, batch_spec(np.ndim(a)))), x)
-
-
 def bytes_per_device(abstract_state: Any, mesh: Mesh,
                      rules: Sequence[tuple[str, Any]] = LOGICAL_RULES) -> int:
   """Largest per-device parameter bytes of an abstract (eval_shape) state on `mesh`."""
@@ -130,6 +125,3 @@ def bytes_per_device(abstract_state: Any, mesh: Mesh,
     total += n
   return total
 
-
-def mesh_summary(mesh: Mesh) -> Mapping[str, int]:
-  return dict(mesh.shape)

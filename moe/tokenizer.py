@@ -8,7 +8,7 @@ small. Real checkpoints bring their own tokenizer (see `moe.hf`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Sequence
+from typing import Iterable
 
 NUM_BYTES = 256
 
@@ -28,10 +28,6 @@ class ByteTokenizer:
       return NUM_BYTES + self.special_tokens.index(name)
     except ValueError:
       raise KeyError(f"unknown special token {name!r}; have {self.special_tokens}") from None
-
-  @property
-  def pad_id(self) -> int:
-    return self.special_id("<pad>")
 
   @property
   def bos_id(self) -> int:
@@ -64,9 +60,3 @@ class ByteTokenizer:
     # Sampled byte sequences can be invalid UTF-8; replacement keeps decoding total.
     return out.decode("utf-8", errors="replace")
 
-  def validate(self, ids: Sequence[int]) -> None:
-    """Raises ValueError naming the first id outside the vocabulary."""
-    for pos, i in enumerate(ids):
-      if not 0 <= int(i) < self.vocab_size:
-        raise ValueError(f"token id {i} at position {pos} is outside the vocabulary "
-                         f"(size {self.vocab_size})")
