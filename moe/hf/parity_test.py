@@ -1,8 +1,10 @@
 """Parity with the transformers implementation (torch, CPU) on tiny random checkpoints.
 
-Tolerance policy (fp32 on both sides): max |logit difference| <= 1e-4 with logits of order 1
-(observed ~1e-6; the two sides differ only in summation order), and the top-k expert sets are
-identical for every token of every MoE layer. Never loosen these to make a test pass.
+Tolerance policy (fp32 on both sides): max |logit difference| <= LOGIT_ATOL = 2e-5, ten times
+the largest gap observed here (1.7e-6, with logits of magnitude 2.4-3.4: the two sides differ only
+in summation order), far below what a real bug does (a wrong norm, rotary or expert moves logits
+by >= 1e-2); and the top-k expert sets are identical for every token of every MoE layer. Never
+loosen these to make a test pass; re-measure if a library upgrade moves the gap.
 """
 
 import sys
@@ -16,7 +18,10 @@ from moe import hf
 from moe import params
 from moe.hf import testutil as tu
 
-LOGIT_ATOL = 1e-4
+# Max |logit gap| measured (transformers 5.24.0, torch 2.13.0, jax CPU) over the three CASES
+# with tokens seeds 0-2, the multi-shard checkpoint and the fused layout: 1.1e-6 .. 1.7e-6.
+OBSERVED_LOGIT_GAP = 1.7e-6
+LOGIT_ATOL = 2e-5  # 10x the observed gap, rounded up
 
 CASES = {
     "mixtral": lambda: tu.mixtral_config(),
@@ -49,6 +54,7 @@ def test_logits_and_routing_match_transformers(tmp_path, case):
   out = _check_parity(model, ref, toks)
   replay = model(toks, routing=out.routing)
   np.testing.assert_array_equal(np.asarray(replay.routing), np.asarray(out.routing))
+  # Replaying the routing the model chose is the same computation (observed gap: exactly 0).
   np.testing.assert_allclose(np.asarray(replay.logits), np.asarray(out.logits), rtol=0, atol=1e-6)
 
 

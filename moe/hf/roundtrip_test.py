@@ -1,4 +1,10 @@
-"""Export: import -> export -> import is bit-exact, and transformers loads what we write."""
+"""Export: import -> export -> import is bit-exact, and transformers loads what we write.
+
+Tolerance policy: files and weights are compared bit for bit. The one float comparison, our
+forward against transformers' on a model we created and exported, allows LOGIT_ATOL = 2e-5: ten
+times the largest gap observed here (1.7e-6 over token seeds 0-2, logits of magnitude 2.6-3.0; the
+two sides differ only in summation order), as in parity_test.py.
+"""
 
 import json
 import sys
@@ -15,6 +21,9 @@ from moe import hf
 from moe import params
 from moe.config import ModelConfig
 from moe.hf import testutil as tu
+
+OBSERVED_LOGIT_GAP = 1.7e-6  # max |logit gap| of the created model (seeds 0-2: 1.4e-6 .. 1.7e-6)
+LOGIT_ATOL = 2e-5  # 10x the observed gap, rounded up
 
 
 def _file_tensors(path):
@@ -94,7 +103,7 @@ def test_created_model_exports_and_transformers_agrees(tmp_path, created):
   toks = tu.tokens(seed=2)
   want, want_topk = tu.forward(ref, toks)
   out = model(toks)
-  np.testing.assert_allclose(np.asarray(out.logits), want, rtol=0, atol=1e-4)
+  np.testing.assert_allclose(np.asarray(out.logits), want, rtol=0, atol=LOGIT_ATOL)
   np.testing.assert_array_equal(np.sort(np.asarray(out.routing), axis=-1), want_topk)
   again = params.flatten(hf.load_pretrained(tmp_path / "out"))
   for name, value in params.flatten(model).items():
