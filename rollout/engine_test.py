@@ -3,7 +3,6 @@ handling and weight swaps (tiny model, few tokens). Tolerances: see rollout/test
 
 import sys
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ from rollout import testing
 from rollout import tokenizers
 from rollout.engine import Engine, EngineConfig, QueueFull
 from rollout.sampling import SamplingParams
+from tests import waiting
 
 PROMPTS = [[5, 17, 200, 3, 9, 44, 12], [100, 101, 102], [7] * 11, [250, 1, 2, 3, 4]]
 
@@ -119,14 +119,28 @@ def test_cancel_and_timeout_free_their_slots(engine):
 
 
 def test_bounded_queue_rejects_then_recovers(engine):
-  busy = engine.submit(PROMPTS[0], SamplingParams(n=4, max_tokens=50))
-  deadline = time.time() + 60
-  while engine.metrics()["active_slots"] < 4 and time.time() < deadline:
-    time.sleep(0.01)
-  queued = [engine.submit(PROMPTS[1], SamplingParams(n=2, max_tokens=2)) for _ in range(2)]
-  with pytest.raises(QueueFull):
-    engine.submit(PROMPTS[1], SamplingParams(max_tokens=2))
-  busy.cancel()
+  # The busy request's stream callback runs on the engine thread and waits on `gate`, so the
+  # engine holds all 4 slots, and admits nothing from the queue, until the test lets it go:
+  # the queue cannot drain however fast or slow this machine is.
+  entered, gate = threading.Event(), threading.Event()
+
+  def hold(*_):
+    entered.set()
+    gate.wait(60)
+
+  busy = engine.submit(PROMPTS[0], SamplingParams(n=4, max_tokens=50, ignore_eos=True),
+                       on_tokens=hold)
+  try:
+    waiting.wait_event(entered, "the busy request's first tokens")
+    assert engine.metrics()["active_slots"] == 4
+    queued = [engine.submit(PROMPTS[1], SamplingParams(n=2, max_tokens=2)) for _ in range(2)]
+    assert engine.metrics()["queued_completions"] == 4
+    with pytest.raises(QueueFull):
+      engine.submit(PROMPTS[1], SamplingParams(max_tokens=2))
+  finally:
+    busy.cancel()
+    gate.set()
+  assert all(c.finish_reason == "cancelled" for c in busy.result(timeout=60))
   for h in queued:  # nothing is dropped: the queued requests complete
     assert [c.finish_reason for c in h.result(timeout=60)] == ["length", "length"]
 
@@ -186,7 +200,10 @@ def test_swap_mid_request_records_versions_and_keeps_kv(model):
       assert seen.wait(60)
       v = eng.version + 1
       out = eng.swap_weights(eng.prepare_weights(new_flat) if same else new_flat, v)
-      assert out["version"] == v and out["in_flight"] == 1 and 0 <= out["pause_s"] < 5
+      # A request was in flight, so the loop did stand still (pause > 0), for about one loop
+      # iteration (ms here; 5 s leaves room for a loaded machine's scheduling delays). That
+      # the swap did not wait for the request to end is shown by the versions below.
+      assert out["version"] == v and out["in_flight"] == 1 and 0 < out["pause_s"] < 5
       c = h.result(timeout=60)[0]
       vs = c.policy_versions
       assert vs[0] == v - 1 and vs[-1] == v and vs == sorted(vs)

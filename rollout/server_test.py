@@ -7,7 +7,6 @@ import http.client
 import json
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 
@@ -20,6 +19,7 @@ from rollout import server as server_lib
 from rollout import server_main
 from rollout import testing
 from rollout.sampling import SamplingParams
+from tests import waiting
 
 TOKEN = "s3cret"
 
@@ -186,26 +186,44 @@ def test_backpressure_429_and_timeout_504(live):
   assert status == 504 and "timed out" in out["error"]["message"]
 
 
-def test_client_disconnect_cancels_the_request(live):
+def test_client_disconnect_cancels_the_request(live, monkeypatch):
+  from rollout import kernels
   eng = live.server.engine
   before = eng.stats["cancelled_total"]
   disconnects = live.server.http_stats["client_disconnects_total"]
+
+  def idle():
+    m = eng.metrics()
+    return m["active_slots"] == 0 and m["queue_depth"] == 0
+
+  # So that the first decode call after the patch below is this test's request's.
+  waiting.wait_until(idle, "the engine to finish the earlier tests' requests")
+  # The engine's first decode call for the request waits on `gate`, so the request cannot
+  # finish before the server notices the disconnect, however fast or slow this machine is.
+  entered, gate = threading.Event(), threading.Event()
+  real = kernels.decode_chunk
+
+  def held(*a, **kw):
+    entered.set()
+    gate.wait(60)
+    return real(*a, **kw)
+
+  monkeypatch.setattr(kernels, "decode_chunk", held)
   conn = http.client.HTTPConnection("127.0.0.1", live.port, timeout=60)
-  conn.request("POST", "/v1/completions", json.dumps({"prompt": [1, 2], "max_tokens": 60,
-                                                      "n": 4, "ignore_eos": True}),
-               {"Content-Type": "application/json"})
-  deadline = time.time() + 60
-  while eng.metrics()["active_slots"] == 0 and time.time() < deadline:
-    time.sleep(0.005)
-  # Hold the engine loop (it takes this lock every iteration) so the request cannot finish
-  # before the server notices the disconnect.
-  with eng._cv_lock:
+  try:
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": [1, 2], "max_tokens": 60,
+                                                        "n": 4, "ignore_eos": True}),
+                 {"Content-Type": "application/json"})
+    waiting.wait_event(entered, "the request's first decode call")
     conn.close()
-    while (live.server.http_stats["client_disconnects_total"] == disconnects
-           and time.time() < deadline):
-      time.sleep(0.01)
-  while eng.stats["cancelled_total"] == before and time.time() < deadline:
-    time.sleep(0.02)
+    waiting.wait_until(
+        lambda: live.server.http_stats["client_disconnects_total"] != disconnects,
+        "the server to notice the disconnect")
+  finally:
+    gate.set()
+    conn.close()
+  waiting.wait_until(lambda: eng.stats["cancelled_total"] != before,
+                     "the engine to cancel the request")
   assert live.server.http_stats["client_disconnects_total"] == disconnects + 1
   assert eng.stats["cancelled_total"] == before + 1
 
