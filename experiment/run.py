@@ -12,7 +12,7 @@ import json
 import logging
 import os
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import jax
 import numpy as np
@@ -115,14 +115,16 @@ def make_rl_learner(cfg: ExperimentConfig, model, mesh) -> Learner:
                               kl_coef=r.kl_coef)))
 
 
-def eval_split(cfg: ExperimentConfig):
+def eval_split(cfg: ExperimentConfig, tasks: Optional[Sequence] = None):
   """(all tasks, RL train tasks, evaluated tasks, their split's name).
 
-  Normally the evaluated tasks are the held-out split. With cfg.validation_fraction > 0 they are a
-  validation split carved from the train tasks (relabelled in `all tasks`, so the pre-training
-  corpus leaves them out as it leaves out held-out tasks) and the held-out split is not used.
+  `tasks`: the single-turn tasks to use (default: the built-in suite, envs.suite_pyfunc), their
+  `split` saying which are train and which held out. Normally the evaluated tasks are the
+  held-out split. With cfg.validation_fraction > 0 they are a validation split carved from the
+  train tasks (relabelled in `all tasks`, so the pre-training corpus leaves them out as it leaves
+  out held-out tasks) and the held-out split is not used.
   """
-  all_tasks = suite_pyfunc.generate()
+  all_tasks = suite_pyfunc.generate() if tasks is None else list(tasks)
   if cfg.validation_fraction > 0:
     all_tasks, train, evaluated = splits.carve_validation(all_tasks, cfg.validation_fraction)
     name = splits.VALIDATION
@@ -134,8 +136,17 @@ def eval_split(cfg: ExperimentConfig):
 
 
 def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
-        echo: Callable[[str], None] = print, evaluate: bool = True) -> dict:
+        echo: Callable[[str], None] = print, evaluate: bool = True,
+        tasks: Optional[Sequence] = None) -> dict:
   """Runs the experiment; returns the summary (also written to run_dir/summary.json).
+
+  `tasks` replaces the built-in suite (see `eval_split`); the pre-training corpus is then their
+  train tasks' prompts and solutions and the generated snippets.
+
+  Each RL step's record has, besides the learner's metrics, the mean reward and pass rate of its
+  groups, `reward_std` (the mean over its groups of the rewards' standard deviation within the
+  group) and `signal_groups` (groups with a non-zero GRPO advantage; the others add nothing to
+  the policy gradient).
 
   summary["rl"] holds the RL phase's totals: steps, groups written, episodes trained, episodes
   masked as infrastructure failures, and the final policy version (what shows RL trained).
@@ -147,7 +158,7 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
   with open(os.path.join(run_dir, "config.json"), "w", encoding="utf-8") as f:
     json.dump(dataclasses.asdict(cfg), f, indent=1, default=str)
   rep = reporting.Reporter(run_dir, progress=progress)
-  all_tasks, train, heldout, split_name = eval_split(cfg)
+  all_tasks, train, heldout, split_name = eval_split(cfg, tasks)
   # Samplers use the first devices of the split (the engines run on the default device, the
   # first of them); the learner's mesh is laid over the rest. One device: both share it.
   split = resources.split_devices(jax.devices(), cfg.inference_fraction)
@@ -189,8 +200,12 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
       rewards = [x for g in groups for x in g.rewards if x is not None]
       passed = [x for g in groups for x in g.passed]
       out = dict(metrics)
+      graded = [[x for x in g.rewards if x is not None] for g in groups]
+      stds = [float(np.std(v)) for v in graded if v]
       out.update(reward=float(np.mean(rewards)) if rewards else 0.0,
                  pass_rate=float(np.mean(passed)) if passed else 0.0,
+                 reward_std=float(np.mean(stds)) if stds else 0.0,
+                 signal_groups=info["signal_groups"],
                  staleness_mean=info["mean_lag"], staleness_max=info["max_lag"],
                  trained_episodes=info["trained_episodes"], learner_wait_s=info["wait_s"],
                  gen_tokens=sum(g.gen_tokens for g in groups),

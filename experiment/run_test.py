@@ -1,6 +1,7 @@
 """The main job end to end on a tiny model and a handful of tasks: every phase runs, trains (its
-records show episodes, tokens and a non-zero loss every step, and the weights moved), and the run
-directory holds what the README promises."""
+records show episodes, tokens and a non-zero loss every step, and the weights moved), RL learns
+from rewards that vary within groups (non-zero advantages and policy gradient every step, with
+the router loss off), and the run directory holds what the README promises."""
 
 import json
 import os
@@ -22,23 +23,21 @@ TINY = ModelConfig(vocab_size=259, hidden_size=32, num_layers=2, num_heads=2, nu
 
 
 def test_tiny_experiment_end_to_end(tmp_path):
+  # The built-in suite would give this model reward 0 on every attempt, hence no policy gradient;
+  # on these tasks attempts at one prompt get different rewards (see experiment.testing).
+  tasks = experiment_testing.even_code_tasks(n_train=6, n_test=3)
   cfg = ExperimentConfig(
       model=TINY,
       pretrain=PretrainConfig(steps=3, batch_rows=4, seq_len=64, corpus_snippets=20,
                               corpus_repeats=1),
-      # A model this small solves nothing: every reward is 0, so every GRPO advantage and the
-      # policy-gradient term are exactly 0 and, with the default aux_loss=False, the RL steps
-      # would leave the weights bit for bit as they were (grad_norm 0; a run of this test
-      # showed it). The router's auxiliary loss gives each step a gradient over its batch, so
-      # the check that RL moved the weights can hold; that episodes were trained is checked on
-      # the step records (episodes and tokens per step).
-      rl=RLConfig(steps=2, sampler_slots=8, aux_loss=True, pipeline=PipelineConfig(
-          max_staleness=1, prompts_per_step=2, attempts=2, max_new_tokens=8, seq_len=64,
-          batch_rows=4, grade_workers=2)),
+      rl=RLConfig(steps=2, sampler_slots=8, pipeline=PipelineConfig(
+          max_staleness=1, prompts_per_step=2, attempts=4, max_new_tokens=8, seq_len=64,
+          batch_rows=8, grade_workers=2)),
       eval=EvalConfig(samples=2, max_tokens=8, k_list=(1, 2)),
       train_tasks=6, heldout_tasks=3, sandbox_pool=2)
+  assert not cfg.rl.aux_loss and cfg.rl.kl_coef == 0  # the policy gradient is the only loss
   lines = []
-  summary = run_lib.run(cfg, str(tmp_path), progress=False, echo=lines.append)
+  summary = run_lib.run(cfg, str(tmp_path), progress=False, echo=lines.append, tasks=tasks)
   assert summary["heldout_tasks"] == 3 and summary["before"]["samples"] == 6
   assert summary["after"]["samples"] == 6
   line = run_lib.final_line(summary)
@@ -51,7 +50,8 @@ def test_tiny_experiment_end_to_end(tmp_path):
   phases = [json.loads(l)["phase"] for l in open(tmp_path / "metrics.jsonl")]
   assert phases.count("pretrain") == 3 and phases.count("rl") == 2 and phases.count("eval") == 2
   experiment_testing.assert_trained(str(tmp_path), cfg)
-  assert summary["rl"]["trained_episodes"] == 2 * 4  # 2 steps x 2 prompts x 2 attempts
+  experiment_testing.assert_learned_from_rewards(str(tmp_path), cfg)
+  assert summary["rl"]["trained_episodes"] == 2 * 8  # 2 steps x 2 prompts x 4 attempts
   assert any("pass@1 before RL" in l for l in lines)
 
 
@@ -66,6 +66,10 @@ def test_validation_mode_evaluates_carved_train_tasks_not_heldout():
   assert all(relabelled[t.task_id] == "validation" for t in evaluated)
   _, _, heldout, name = run_lib.eval_split(ExperimentConfig(model=TINY))
   assert name == "held-out" and all(t.split == "test" for t in heldout)
+  given = experiment_testing.even_code_tasks(n_train=4, n_test=2)
+  all_given, train, heldout, _ = run_lib.eval_split(ExperimentConfig(model=TINY, train_tasks=3),
+                                                    given)
+  assert all_given == given and train == given[:3] and heldout == given[4:]
   assert run_lib.final_line({"eval_split": "validation", "before": {"passed": 1, "samples": 4},
                              "after": {"passed": 3, "samples": 4}}) == (
                                  "validation pass@1: before 1/4 -> after 3/4")

@@ -1,18 +1,28 @@
 """experiment.testing.assert_trained passes a run directory that shows training and fails one
-that does not: the records of a run whose every request was refused, or unchanged weights."""
+that does not: the records of a run whose every request was refused, or unchanged weights.
+assert_learned_from_rewards fails a run whose records show no reward signal or no policy
+gradient; even_code_tasks are graded by their hidden tests in a real sandbox."""
 
 import json
 import os
 import sys
 
+import numpy as np
 import pytest
 
+from envs import pool as pool_lib
+from envs import reward
+from envs import single_turn
 from experiment import testing
 from experiment.config import ExperimentConfig, PretrainConfig, RLConfig
 from moe import build
 from moe import checkpoint as moe_checkpoint
 from moe.config import ModelConfig
+from pipeline import episodes as episodes_lib
+from pipeline import local
 from pipeline.config import PipelineConfig
+from rl.trajectory_io import TrajectoryWriter
+from rollout.engine import Completion
 
 TINY = ModelConfig(vocab_size=64, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
                    intermediate_size=32, moe_intermediate_size=16, num_experts=4,
@@ -75,6 +85,94 @@ def test_missing_episodes_unchanged_weights_and_disagreeing_totals_fail(tmp_path
   lying = _run_dir(tmp_path / "lying", models, summary_episodes=9)
   assert any("summary.json says 9 episodes trained, metrics.jsonl 8" in p
              for p in testing.problems(lying, CFG))
+
+
+def test_even_code_tasks_reward_the_share_of_even_leading_characters():
+  tasks = testing.even_code_tasks(n_train=4, n_test=2)
+  assert [t.split for t in tasks] == ["train"] * 4 + ["test"] * 2
+  assert len({t.task_id for t in tasks}) == 6 and all(t.grading == "fraction" for t in tasks)
+  # One prompt and 8 generated tokens fit the end-to-end test's 64-token rows.
+  local.check_capacity(tasks, PipelineConfig(prompts_per_step=2, attempts=4, max_new_tokens=8,
+                                             seq_len=64, batch_rows=8))
+  task = tasks[0]
+  with pool_lib.WarmPool(size=2) as pool:
+    def graded(completion):
+      files = dict(task.files, **{"solution.py": single_turn.solution_file(task, completion)})
+      g = reward.grade(task, files, pool=pool)
+      assert g.status == reward.OK and len(g.outcomes) == testing.EVEN_CODE_CHARS, g.detail
+      return g.reward
+    assert graded(task.solution) == 1.0  # four spaces (code 32)
+    assert graded("\t\t\t\treturn 1\n") == 0.0  # tabs (code 9)
+    assert graded("  \t return 0\n") == 0.75
+    assert graded("b\xff") == 0.25  # 'b' (98) even, U+00FF odd, then too short: fail
+    assert graded("") == 0.0
+
+
+def _learning_run_dir(path, models, *, final_seed=1, rewards=((1.0, 0.0), (0.0, 1.0)),
+                      record=None):
+  """A run directory whose RL trajectories hold one group per entry of `rewards`."""
+  run_dir = _run_dir(path, models, final_seed=final_seed)
+  w = TrajectoryWriter(os.path.join(run_dir, "rl", "trajectories"), "c", records_per_shard=2)
+  for g, group in enumerate(rewards):
+    eps = []
+    for j, r in enumerate(group):
+      gen = [10 + j, 20 + g, 30]
+      comp = Completion(token_ids=gen, logprobs=[-1.0] * 3, routing=np.ones((1, 3, 2), np.uint8),
+                        policy_versions=[0] * 3, finish_reason="stop",
+                        prompt_routing=np.zeros((1, 2, 2), np.uint8))
+      eps.append(episodes_lib.from_completion(
+          group_id=f"g{g}", episode_id=f"g{g}-{j}", group_size=len(group), prompt_ids=[1, 2, 3],
+          completion=comp, reward=r))
+    w.write_all(eps)
+    w.flush()
+  w.close()
+  recs = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl"))]
+  for r in recs:
+    if r["phase"] == "rl":
+      r.update(reward=0.5, reward_std=0.5, signal_groups=2.0, grad_norm=0.7, pg_loss=r["loss"])
+      r.update(record or {})
+  with open(os.path.join(run_dir, "metrics.jsonl"), "w", encoding="utf-8") as f:
+    f.writelines(json.dumps(r) + "\n" for r in recs)
+  return run_dir
+
+
+def test_the_advantage_weighted_logprob_gain_follows_the_advantages(tmp_path, models):
+  same = _learning_run_dir(tmp_path / "same", models, final_seed=0)
+  assert testing.advantage_logprob_gain(same) == 0.0
+  gain = testing.advantage_logprob_gain(_learning_run_dir(tmp_path / "a", models))
+  assert gain != 0.0
+  # Advantages are relative to the group: opposite rewards flip the gain, a group whose
+  # attempts all got one reward adds nothing to it.
+  flipped = _learning_run_dir(tmp_path / "b", models, rewards=((0.0, 1.0), (1.0, 0.0)))
+  assert testing.advantage_logprob_gain(flipped) == pytest.approx(-gain, rel=1e-5)
+  padded = _learning_run_dir(tmp_path / "c", models,
+                             rewards=((1.0, 0.0), (0.0, 1.0), (0.5, 0.5)))
+  assert testing.advantage_logprob_gain(padded) == pytest.approx(gain, rel=1e-5)
+
+
+def test_learning_problems_name_what_shows_no_learning(tmp_path, models):
+  run_dir = _learning_run_dir(tmp_path / "good", models)
+  gain = testing.advantage_logprob_gain(run_dir)
+  # Seed 1's weights against seed 0's: the gain has some sign; the check follows it.
+  assert (testing.learning_problems(run_dir, CFG) == []) == (gain > 0)
+  flat = _learning_run_dir(tmp_path / "flat", models, final_seed=0, rewards=((1.0, 1.0),),
+                           record={"reward_std": 0.0, "signal_groups": 0.0, "grad_norm": 0.0})
+  aux = ExperimentConfig(model=TINY, pretrain=CFG.pretrain,
+                         rl=RLConfig(steps=2, aux_loss=True, pipeline=CFG.rl.pipeline))
+  found = testing.learning_problems(flat, aux)
+  assert found[0].startswith("aux_loss=True, kl_coef=0.0: the policy gradient is not the only")
+  for step in (1, 2):
+    assert f"rl step {step}: reward_std 0.0 (every group's attempts got one reward" in "\n".join(
+        found)
+    assert f"rl step {step}: 0.0 groups with a non-zero advantage" in found
+    assert f"rl step {step}: grad_norm 0.0 (must be finite and > 0)" in found
+  assert found[-1] == ("RL changed the advantage-weighted log-probability of its attempts by 0.0 "
+                       "(must rise)")
+  mixed = _learning_run_dir(tmp_path / "mixed", models, record={"pg_loss": 0.01})
+  assert "rl step 1: loss 0.02 is not the policy-gradient term pg_loss 0.01 alone" in (
+      testing.learning_problems(mixed, CFG))
+  with pytest.raises(AssertionError, match="did not learn from rewards"):
+    testing.assert_learned_from_rewards(flat, CFG)
 
 
 if __name__ == "__main__":

@@ -79,7 +79,11 @@ class StepBatcher:
     return out
 
   def next_batch(self, learner_version: int, stop: Optional[threading.Event] = None):
-    """(batch dict, info dict) of the next step, or None if `stop` was set while waiting."""
+    """(batch dict, info dict) of the next step, or None if `stop` was set while waiting.
+
+    info: episodes read, trained_episodes (packed), group_ids, groups, signal_groups (groups
+    with a non-zero advantage: the rest give the policy gradient nothing), max_lag, mean_lag.
+    """
     items = self._take(self.cfg.episodes_per_step, stop or threading.Event())
     if items is None:
       return None
@@ -111,10 +115,12 @@ class StepBatcher:
     self.stats.episodes += len(items)
 
     chosen, lags = [], []
+    signal = 0
     for members in groups.values():
       valid = np.array([s == "ok" for _, s in members])
       rewards = np.array([ep.reward for ep, _ in members])
       adv = objectives.group_advantages(rewards, valid, normalize_std=self.normalize_std)
+      signal += bool(np.any(adv != 0))
       for (ep, s), a in zip(members, adv):
         if s == "ok":
           chosen.append((ep, float(a)))
@@ -122,7 +128,7 @@ class StepBatcher:
     batch, packed = self._pack(chosen)
     self.stats.trained_episodes += packed
     info = {"episodes": len(items), "trained_episodes": packed, "group_ids": list(groups),
-            "groups": len(groups), "max_lag": max(lags) if lags else 0,
+            "groups": len(groups), "signal_groups": signal, "max_lag": max(lags) if lags else 0,
             "mean_lag": float(np.mean(lags)) if lags else 0.0}
     return batch, info
 

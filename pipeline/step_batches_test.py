@@ -53,6 +53,7 @@ def test_step_batches(tmp_path):
   b = StepBatcher(str(tmp_path), config=CFG, spec=SPEC)
   batch, info = b.next_batch(learner_version=0)
   assert info["group_ids"] == ["a", "b"] and info["trained_episodes"] == 3
+  assert info["signal_groups"] == 1  # a's rewards differ; b has one valid attempt
   assert b.stats.infra_failures == 1
   # Advantages: group a gets +-1 (normalised), b's lone valid attempt 0 (no signal).
   adv = sorted(set(np.round(batch["advantages"][batch["loss_mask"] == 1], 3).tolist()))
@@ -68,6 +69,7 @@ def test_step_batches(tmp_path):
   batch2, info2 = b.next_batch(learner_version=3)
   assert info2["group_ids"] == ["c", "d"] and b.stats.stale_episodes == 2
   assert info2["trained_episodes"] == 2
+  assert info2["signal_groups"] == 1  # c's attempts are stale: only d's advantages count
   # Restoring the state replays step 2 exactly: nothing skipped or repeated.
   b2 = StepBatcher(str(tmp_path), config=CFG, spec=SPEC)
   b2.set_state(state)
@@ -93,6 +95,7 @@ def test_bad_records_are_counted(tmp_path):
   _, info = b.next_batch(0)
   assert b.stats.rejections == {"token_out_of_range": 1}
   assert info["trained_episodes"] == 3
+  assert info["signal_groups"] == 1  # a's rejected attempt leaves it one: no advantage
 
 
 if __name__ == "__main__":
