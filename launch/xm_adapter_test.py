@@ -2,8 +2,10 @@
 
 The plan (what XManager is asked to run) is tested everywhere. With xmanager importable the real
 xm objects built from it are checked too; without it, the adapter must say how to install it.
-xmanager is not in requirements.txt (see launch/README.md), so which branch runs depends on the
-interpreter: `PYTHONPATH=. <venv with xmanager>/bin/python -m pytest launch/xm_adapter_test.py`.
+xmanager is not a requirement, not even for tests (it needs protobuf<7, and pip's resolution of
+its Google Cloud dependencies takes tens of minutes; see launch/README.md), so CI and `bazel test`
+run the error branch only, and the real one runs only by hand:
+`PYTHONPATH=. <venv with xmanager>/bin/python -m pytest launch/xm_adapter_test.py`.
 """
 
 import json
