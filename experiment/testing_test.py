@@ -44,10 +44,11 @@ def models(tmp_path_factory):
 def _run_dir(path, models, *, rl_episodes=4, final_seed=1, summary_episodes=None):
   """A run directory as experiment.run writes it, with the RL steps' episode counts given."""
   os.makedirs(path)
-  recs = [{"phase": "pretrain", "step": i + 1, "loss": 5.1, "tokens": 120.0,
+  recs = [{"phase": "pretrain", "step": i + 1, "loss": 5.1, "grad_norm": 2.0, "tokens": 120.0,
            "policy_version": float(i + 1)} for i in range(2)]
   recs += [{"phase": "eval", "step": 0, "pass1": 0.0}]
   recs += [{"phase": "rl", "step": i + 1, "loss": 0.02 if rl_episodes else 0.0,
+            "grad_norm": 0.3 if rl_episodes else 0.0,
             "tokens": 30.0 * rl_episodes, "trained_episodes": float(rl_episodes),
             "policy_version": float(i + 1)} for i in range(2)]
   with open(path / "metrics.jsonl", "w", encoding="utf-8") as f:
@@ -71,7 +72,7 @@ def test_a_run_that_trained_on_nothing_fails(tmp_path, models):
   with pytest.raises(AssertionError, match="did not train") as e:
     testing.assert_trained(run_dir, CFG)
   msg = str(e.value)
-  assert "rl step 1: 0.0 trained_episodes" in msg and "rl step 2: loss 0.0" in msg
+  assert "rl step 1: 0.0 trained_episodes" in msg and "rl step 2: grad_norm 0.0" in msg
   assert "'trained_episodes': 0" in msg  # the summary's totals too
 
 

@@ -30,7 +30,7 @@ def _record(steps_log):
 
 
 def _assert_trained(res, records, workdir, *, steps, episodes_per_step=None):
-  """Every step trained episodes (the config's count where known) with a finite non-zero loss,
+  """Every step trained episodes (the config's count where known) with a finite loss and a non-zero gradient,
   the policy version went 1..steps, and the returned learner's weights differ from the
   initial weights the run published as version 0."""
   rl_testing.assert_steps_trained(records, steps=steps, episodes_per_step=episodes_per_step)

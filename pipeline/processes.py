@@ -37,9 +37,10 @@ STEP_LINE = "learner step "
 
 def step_line(step: int, metrics: dict, info: dict) -> str:
   """The learner's log line per step: `learner step N {json}`, the figures that show the step
-  trained (episodes and tokens in its batch, loss, policy version) and its data's staleness."""
+  trained (episodes and tokens in its batch, loss and gradient norm, policy version) and its data's staleness."""
   return STEP_LINE + f"{step} " + json.dumps({
-      "loss": float(metrics["loss"]), "tokens": float(metrics["tokens"]),
+      "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
+      "tokens": float(metrics["tokens"]),
       "trained_episodes": int(info["trained_episodes"]), "episodes": int(info["episodes"]),
       "policy_version": int(metrics["policy_version"]), "max_lag": int(info["max_lag"])})
 

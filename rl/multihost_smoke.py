@@ -52,7 +52,7 @@ def smoke_batches(steps: int, rows: int, length: int, vocab: int, seed: int = 0)
 def run(steps: int = 4, rows: int = 4, length: int = 8) -> dict:
   """Trains `steps` steps; returns what shows they trained, for comparison across processes.
 
-  {"losses": [per step], "steps": [{"loss", "tokens", "policy_version"} per step],
+  {"losses": [per step], "steps": [{"loss", "grad_norm", "tokens", "policy_version"} per step],
    "weight_change": {weight name: L2 norm of final - initial}}.
   """
   devices = jax.devices()  # global: every process's devices
@@ -67,7 +67,7 @@ def run(steps: int = 4, rows: int = 4, length: int = 8) -> dict:
       per = b["tokens"].shape[0] // n_proc
       b = {k: v[pid * per:(pid + 1) * per] for k, v in b.items()}
     m = learner.train_step(b, process_local=bool(i % 2))
-    records.append({"loss": m["loss"], "tokens": m["tokens"],
+    records.append({"loss": m["loss"], "grad_norm": float(m["grad_norm"]), "tokens": m["tokens"],
                     "policy_version": int(m["policy_version"])})
   final, _ = learner.sampler_weights()
   change = {k: float(np.linalg.norm(final[k] - initial[k])) for k in sorted(initial)}

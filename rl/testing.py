@@ -5,7 +5,7 @@ if every sampling request is refused, every episode is an infrastructure failure
 batches hold no trained token and its steps still run: the policy version advances and, with
 the router's auxiliary loss on, that loss alone still moves the weights. So a test that checks
 files and step counts passes on such a run, and so does one that only checks the weights moved. These helpers check the run's own records instead: every step trained
-episodes and tokens, its loss is finite and non-zero, the policy version advanced by one per
+episodes and tokens, its loss is finite and its gradient non-zero, the policy version advanced by one per
 step, and the final weights differ from the initial ones.
 
 Each function raises AssertionError naming every problem it found (not only the first), so a
@@ -26,7 +26,7 @@ def step_problems(records: Sequence[Mapping], *, steps: int, start_version: int 
 
   Args:
     records: one mapping per learner step, in step order, with the learner's metrics `loss`,
-      `tokens` (trained tokens) and `policy_version`, and for episodic (RL) runs
+      `grad_norm`, `tokens` (trained tokens) and `policy_version`, and for episodic (RL) runs
       `trained_episodes` (episodes packed into the step's batch).
     steps: the number of learner steps the run was asked for.
     start_version: the policy version before the first step.
@@ -40,8 +40,14 @@ def step_problems(records: Sequence[Mapping], *, steps: int, start_version: int 
   for i, r in enumerate(records):
     where = f"step {i + 1}"
     loss = float(r.get("loss", math.nan))
-    if not math.isfinite(loss) or loss == 0.0:
-      problems.append(f"{where}: loss {loss} (must be finite and non-zero)")
+    if not math.isfinite(loss):
+      problems.append(f"{where}: loss {loss} (must be finite)")
+    # The gradient, not the loss value, shows the step had something to learn from: an
+    # on-policy GRPO loss is ~0 by construction (advantages sum to 0 per group, ratio 1), while a
+    # batch with no signal (no trained token, every advantage 0) has a gradient of exactly 0.
+    grad_norm = float(r.get("grad_norm", math.nan))
+    if not (math.isfinite(grad_norm) and grad_norm > 0):
+      problems.append(f"{where}: grad_norm {r.get('grad_norm')} (must be finite and > 0)")
     if not float(r.get("tokens", 0)) > 0:
       problems.append(f"{where}: {r.get('tokens')} trained tokens")
     if episodic:

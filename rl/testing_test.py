@@ -10,7 +10,7 @@ from rl import testing
 
 def _steps(n=2, **override):
   """Records of a run that trained: 4 episodes, 40 tokens per step, versions 1..n."""
-  recs = [{"loss": 0.25, "tokens": 40.0, "trained_episodes": 4, "policy_version": i + 1}
+  recs = [{"loss": 0.25, "grad_norm": 0.5, "tokens": 40.0, "trained_episodes": 4, "policy_version": i + 1}
           for i in range(n)]
   for r in recs:
     r.update(override)
@@ -24,12 +24,14 @@ def test_a_run_that_trained_passes():
                                 for r in _steps()], steps=2, start_version=5)
   no_episodes = [{k: v for k, v in r.items() if k != "trained_episodes"} for r in _steps()]
   testing.assert_steps_trained(no_episodes, steps=2, episodic=False)
+  # An on-policy GRPO loss is ~0 by construction; the gradient is what must be non-zero.
+  testing.assert_steps_trained(_steps(loss=0.0), steps=2)
 
 
 def test_a_run_whose_requests_were_all_refused_fails():
   # What such a run logs: every step ran, the policy version advanced, the auxiliary loss is
   # non-zero, but no episode or token was trained.
-  refused = _steps(trained_episodes=0, tokens=0.0, loss=0.013)
+  refused = _steps(trained_episodes=0, tokens=0.0, loss=0.013, grad_norm=0.02)
   with pytest.raises(AssertionError) as e:
     testing.assert_steps_trained(refused, steps=2, episodes_per_step=4)
   msg = str(e.value)
@@ -38,7 +40,9 @@ def test_a_run_whose_requests_were_all_refused_fails():
 
 
 @pytest.mark.parametrize("records, kw, message", [
-    (_steps(loss=0.0), {}, "loss 0.0"),
+    (_steps(grad_norm=0.0), {}, "grad_norm 0.0"),
+    (_steps(grad_norm=float("nan")), {}, "grad_norm nan"),
+    ([{k: v for k, v in r.items() if k != "grad_norm"} for r in _steps()], {}, "grad_norm None"),
     (_steps(loss=float("nan")), {}, "loss nan"),
     (_steps(loss=float("inf")), {}, "loss inf"),
     (_steps(trained_episodes=3), {"episodes_per_step": 4}, "3 trained_episodes, 4 expected"),
@@ -46,7 +50,7 @@ def test_a_run_whose_requests_were_all_refused_fails():
     (_steps(), {"start_version": 1}, "step 1: policy_version 1, 2 expected"),
     (_steps(1), {}, "1 learner steps recorded, 2 expected"),
     ([], {}, "0 learner steps recorded"),
-    ([{"loss": 0.3, "tokens": 5.0, "policy_version": 1}] * 2, {},
+    ([{"loss": 0.3, "grad_norm": 0.1, "tokens": 5.0, "policy_version": 1}] * 2, {},
      "step 1: 0 trained_episodes"),  # an RL record without the count is not proof
 ])
 def test_each_missing_sign_of_training_fails(records, kw, message):

@@ -228,7 +228,8 @@ def run_mode(name, k, model, tasks, pool, args, workdir, steps=None, quiet=False
   def on_step(step, metrics, info):
     lags.append(info["max_lag"])
     # What shows the step trained (rl.testing checks these in the tests).
-    learner_steps.append({"loss": float(metrics["loss"]), "tokens": float(metrics["tokens"]),
+    learner_steps.append({"loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
+                          "tokens": float(metrics["tokens"]),
                           "trained_episodes": int(info["trained_episodes"]),
                           "policy_version": int(metrics["policy_version"])})
     if not quiet:
