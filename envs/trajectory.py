@@ -1,4 +1,8 @@
-"""The record of one episode, in the form the learner consumes.
+"""The record of one episode as the harness saw it (turns, tool calls, segments, reward).
+
+The learner does not read this: it trains on rl.episodes.Episode records (tokens, loss mask,
+logprobs, routing, versions), which pipeline.episodes builds from the sampler's completions.
+Evaluation and the harness's own tests read trajectories.
 
 An episode is one or more segments. A segment is one context window: the token ids, which of
 them the model wrote (the mask the policy-gradient loss uses), their log-probabilities, routing

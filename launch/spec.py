@@ -4,7 +4,7 @@ This mirrors XManager's model (t5x's xm_launch.py, the xmanager examples) withou
 
   * A `Job` is one process: a name unique within its work unit ("learner", "sampler_0",
     "env_worker"), an executable, command-line args and environment variables.
-  * An executable is a Bazel target (`BazelBinary("//pipeline:learner")`, the normal case: all
+  * An executable is a Bazel target (`BazelBinary("//tools:rl_part")`, the normal case: all
     targets are built once, then run from bazel-bin), a Python module run with the current
     interpreter (`PyModule("launch.testdata.echo_server")`, for tests and machines without Bazel),
     or a plain command (`Command(("/bin/sleep", "1"))`).
@@ -34,7 +34,7 @@ class SpecError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class BazelBinary:
-  """A Bazel executable target, e.g. "//pipeline:learner" (built once, run from bazel-bin)."""
+  """A Bazel executable target, e.g. "//tools:rl_part" (built once, run from bazel-bin)."""
   label: str
 
   def __post_init__(self):

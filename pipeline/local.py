@@ -4,7 +4,7 @@ Every part is the real one, connected through the real transports: trajectories 
 record files on disk (rl.trajectory_io -> pipeline.step_batches), weights through a sync.Publisher
 store (file:// kvstore) that each sampler's sync.Subscriber polls and swaps in while serving. The
 parts run as threads here (tests, the CPU demo, the benchmark); the same classes run as separate
-processes in pipeline/*_main.py.
+processes through pipeline.processes (`bazel run //tools:rl_part`).
 """
 
 from __future__ import annotations

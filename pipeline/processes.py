@@ -1,7 +1,7 @@
 """The pipeline's parts as separate processes: learner, sampler and controller.
 
-Each function below is the body of one Bazel binary in tools/ (rl_learner, rl_sampler,
-rl_controller). They meet through a shared work directory:
+Each `run_*` function below is the body of one part of the `//tools:rl_part` binary
+(`bazel run //tools:rl_part -- learner|sampler|controller ...`). They meet through a shared work directory:
   <workdir>/trajectories/   record files (controller writes, learner reads)
   <workdir>/weights/        the sync store (learner publishes, samplers subscribe)
   <workdir>/checkpoints/    the learner's checkpoints (train state + reader position)
