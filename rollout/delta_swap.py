@@ -24,7 +24,7 @@ import time
 import jax
 import numpy as np
 
-from rollout import weights as weights_lib
+from rollout import packed_weights
 
 
 class DeltaSwapper:
@@ -46,7 +46,7 @@ class DeltaSwapper:
       t0 = time.perf_counter()
       head = delta.read_header(blob)
       # Refuse a result that would not fit the model before writing anything.
-      weights_lib.validate({name: np.broadcast_to(np.zeros((), np.uint8), shape)
+      packed_weights.validate({name: np.broadcast_to(np.zeros((), np.uint8), shape)
                             for name, _, shape, _ in head["tensors"]}, engine.model_config)
       served = engine.current_flat()
       if self._held is not served:  # served weights from elsewhere: take our own copy, once

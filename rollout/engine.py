@@ -39,10 +39,10 @@ import numpy as np
 from moe import params as moe_params
 from moe.config import ModelConfig
 from rollout import delta_swap
+from rollout import device_programs
 from rollout import forward
-from rollout import kernels
+from rollout import packed_weights
 from rollout import request_checks
-from rollout import weights as weights_lib
 from rollout.engine_types import (Completion, EngineConfig, EngineStopped, PreparedWeights,
                                   QueueFull, RequestHandle, Sample)
 from rollout.sampling import MAX_TOP_LOGPROBS, SamplingParams
@@ -92,7 +92,7 @@ class Engine:
     self.max_len = max_len
     self.tokenizer = tokenizer
     self._flat = flat
-    self._params = weights_lib.pack(flat, cfg, ec.dtype)
+    self._params = packed_weights.pack(flat, cfg, ec.dtype)
     self.version = version
     self._alloc_cache()
     b = ec.max_slots
@@ -228,7 +228,7 @@ class Engine:
     """
     t0 = time.perf_counter()
     flat = dict(flat)
-    packed = weights_lib.pack(flat, self.model_config, self.config.dtype)
+    packed = packed_weights.pack(flat, self.model_config, self.config.dtype)
     jax.block_until_ready(packed)
     return PreparedWeights(packed, flat, time.perf_counter() - t0)
 
@@ -521,7 +521,7 @@ class Engine:
     top_n = MAX_TOP_LOGPROBS if any(h.params.logprobs for h, _ in batch) else 0
     t0 = time.perf_counter()
     try:
-      self._ck, self._cv, tok, lp, routing, top_lp, top_ids = kernels.prefill_into_slots(
+      self._ck, self._cv, tok, lp, routing, top_lp, top_ids = device_programs.prefill_into_slots(
           self._params, self._ck, self._cv, tokens, lengths, dst, src, temp, top_k, top_p, seed,
           sample, cfg=cfg, caps=caps, top_n=top_n)
       tok, lp, routing = np.asarray(tok), np.asarray(lp), np.asarray(routing)
@@ -578,7 +578,7 @@ class Engine:
     top_n = MAX_TOP_LOGPROBS if any(self._owner[i][0].params.logprobs for i in owned) else 0
     version = self.version
     t0 = time.perf_counter()
-    self._ck, self._cv, carried, outs = kernels.decode_chunk(
+    self._ck, self._cv, carried, outs = device_programs.decode_chunk(
         self._params, self._ck, self._cv, st, cfg=cfg, nb=nb, sv=sv, steps=ec.decode_steps,
         caps=caps, top_n=top_n)
     t_free = time.perf_counter()

@@ -304,8 +304,8 @@ def test_delta_swaps_write_in_place_refuse_stale_deltas_and_roll_back(engine, mo
 
 
 def test_a_failing_device_call_fails_its_requests_and_the_engine_recovers(engine, monkeypatch):
-  from rollout import kernels
-  real = kernels.decode_chunk
+  from rollout import device_programs
+  real = device_programs.decode_chunk
   calls = []
 
   def broken(*a, **kw):
@@ -314,7 +314,7 @@ def test_a_failing_device_call_fails_its_requests_and_the_engine_recovers(engine
       raise RuntimeError("injected device failure")
     return real(*a, **kw)
 
-  monkeypatch.setattr(kernels, "decode_chunk", broken)
+  monkeypatch.setattr(device_programs, "decode_chunk", broken)
   h = engine.submit(PROMPTS[1], SamplingParams(max_tokens=8))
   with pytest.raises(RuntimeError, match="injected"):
     h.result(timeout=60)

@@ -2,7 +2,7 @@
 
 What: the same decoder as `moe.model.MoEDecoder` (RMSNorm, GQA attention with RoPE and optional
 QK-norm, softmax/sigmoid top-k routers, SwiGLU experts, shared experts, dense prefix layers), written
-for the sampler's packed layout (`rollout.weights`) and its slot KV cache.
+for the sampler's packed layout (`rollout.packed_weights`) and its slot KV cache.
 
 Why not call `MoEDecoder` directly: decoding on the CPU is bound by per-op overhead and wasted
 expert FLOPs. Here

@@ -10,8 +10,8 @@ import pytest
 from moe import params as moe_params
 from moe.model import KVCache
 from rollout import forward
+from rollout import packed_weights
 from rollout import testing
-from rollout import weights
 
 # Jitted once per (config, capacity tiers): eager op-by-op execution is several times slower.
 _prefill = jax.jit(forward.prefill, static_argnames=("cfg", "caps"))
@@ -36,7 +36,7 @@ def test_prefill_then_decode_matches_full_forward(variant):
       if k.endswith("router/bias"):
         flat[k] = np.linspace(-0.3, 0.3, flat[k].size).astype(np.float32)
     moe_params.load_flat(model, flat)
-  p = weights.pack(moe_params.flatten(model), cfg)
+  p = packed_weights.pack(moe_params.flatten(model), cfg)
   rng = np.random.default_rng(0)
   toks = rng.integers(0, cfg.vocab_size, (2, 12)).astype(np.int32)
   full = model(jnp.asarray(toks))
@@ -78,7 +78,7 @@ def test_capacity_tiers_never_drop_even_when_all_tokens_pick_one_expert():
       flat[k][:, 0] = 5.0
       flat[k][:, 1] = 4.0
   moe_params.load_flat(model, flat)
-  p = weights.pack(flat, cfg)
+  p = packed_weights.pack(flat, cfg)
   x = jnp.abs(jax.random.normal(jax.random.PRNGKey(0), (16, cfg.hidden_size)))
   lp = p["layers"][0]
   tiers = forward.capacity_tiers(16, cfg, (1.0,), False)
@@ -102,11 +102,11 @@ def test_pack_rejects_weights_of_another_model():
   bad = dict(flat)
   bad["embed"] = np.zeros((3, 3), np.float32)
   with pytest.raises(ValueError, match="embed"):
-    weights.pack(bad, model.config)
+    packed_weights.pack(bad, model.config)
   bad = dict(flat)
   del bad["final_norm/scale"]
   with pytest.raises(ValueError, match="missing"):
-    weights.pack(bad, model.config)
+    packed_weights.pack(bad, model.config)
 
 
 if __name__ == "__main__":

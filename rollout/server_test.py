@@ -187,7 +187,7 @@ def test_backpressure_429_and_timeout_504(live):
 
 
 def test_client_disconnect_cancels_the_request(live, monkeypatch):
-  from rollout import kernels
+  from rollout import device_programs
   eng = live.server.engine
   before = eng.stats["cancelled_total"]
   disconnects = live.server.http_stats["client_disconnects_total"]
@@ -201,14 +201,14 @@ def test_client_disconnect_cancels_the_request(live, monkeypatch):
   # The engine's first decode call for the request waits on `gate`, so the request cannot
   # finish before the server notices the disconnect, however fast or slow this machine is.
   entered, gate = threading.Event(), threading.Event()
-  real = kernels.decode_chunk
+  real = device_programs.decode_chunk
 
   def held(*a, **kw):
     entered.set()
     gate.wait(60)
     return real(*a, **kw)
 
-  monkeypatch.setattr(kernels, "decode_chunk", held)
+  monkeypatch.setattr(device_programs, "decode_chunk", held)
   conn = http.client.HTTPConnection("127.0.0.1", live.port, timeout=60)
   try:
     conn.request("POST", "/v1/completions", json.dumps({"prompt": [1, 2], "max_tokens": 60,

@@ -1,4 +1,4 @@
-"""Where a sampler decode step spends its time: `rollout.kernels.decode_chunk`, op by op.
+"""Where a sampler decode step spends its time: `rollout.device_programs.decode_chunk`, op by op.
 
 Run (BENCHMARKS.md "## Sampler (rollout/)" quotes its output):
   .venv/bin/python -m tools.profile_sampler --batch 64 --cache_len 160
@@ -9,7 +9,7 @@ experts top-2, fp32; random weights, or `--hf_checkpoint DIR` through `moe.hf`),
 engine slots, compiles one `decode_chunk` of `--steps` greedy steps attending over `--cache_len`
 positions, then traces `--repeats` calls with the JAX profiler. Every compiled operation carries
 the `jax.named_scope` it came from (rollout.forward labels qkv, kv_write, attention, out_proj,
-router, experts, lm_head; rollout.kernels labels sampling and cache_window); the report sums
+router, experts, lm_head; rollout.device_programs labels sampling and cache_window); the report sums
 each operation's time per decode step under its scope, and splits matrix products from the rest.
 
 How to read it: on the CPU, XLA runs a step's operations on a small thread pool, so the times
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
   from moe import build
   from moe import hf
   from rollout import forward
-  from rollout import kernels
+  from rollout import device_programs
   from rollout.engine import Engine, EngineConfig
 
   if args.hf_checkpoint:
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
   static = dict(cfg=cfg, nb=args.batch, sv=args.cache_len, steps=args.steps, caps=caps, top_n=0)
 
   # One compilation, used for every call: the operation names in its HLO are the event names.
-  compiled = kernels.decode_chunk.lower(params, ck, cv, slots, **static).compile()
+  compiled = device_programs.decode_chunk.lower(params, ck, cv, slots, **static).compile()
 
   def call(ck, cv):
     ck, cv, _, outs = compiled(params, ck, cv, slots)

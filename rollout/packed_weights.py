@@ -1,7 +1,7 @@
 """The sampler's weight layout: flat model weights packed for fast decoding.
 
 What: `pack(flat, cfg, dtype)` turns the flat weights (`moe.params.flatten` names) into a pytree
-laid out for the decode kernels in `rollout.forward`:
+laid out for the decode forward passes in `rollout.forward`:
   * q, k and v are fused into one [D, (H + 2 KV) * head_dim] matrix and o is flattened to
     [H * head_dim, D], so attention needs two matmuls instead of four;
   * each SwiGLU's gate and up are fused ([.., D, 2I]), so experts need two batched matmuls;
