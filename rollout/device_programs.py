@@ -10,7 +10,8 @@ small set and then never again):
     host reads tokens/logprobs/routing once per chunk. Static (nb, sv) come from buckets.
 
 Why: per-call dispatch and a host sync per token would dominate on the CPU; a scan of `steps`
-steps with sampling inside amortises both. The KV cache is donated, so it is updated in place.
+steps with sampling inside amortises both. The KV cache (`rollout.kv_cache`) is donated, so it is
+updated in place.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 
 from moe.config import ModelConfig
 from rollout import forward
+from rollout import kv_cache
 from rollout import sampling
 
 # Host-side slot state fields passed to and returned from `decode_chunk` (all [max_slots]).
@@ -39,7 +41,7 @@ def prefill_into_slots(params, cache_k, cache_v, tokens, lengths, dst_slot, src_
   Args:
     params: packed weights.
     cache_k, cache_v: per-layer slot caches (donated): keys [B, KV, hd, S], values
-      [B, KV, S, hd] (rollout.forward.decode_step).
+      [B, KV, S, hd] (rollout.kv_cache).
     tokens: int32 [P, L] prompts, right-padded; lengths int32 [P].
     dst_slot: int32 [M] slot to fill (M = B; padding entries hold B and are dropped).
     src_row: int32 [M] prompt row each slot samples from.
@@ -52,11 +54,7 @@ def prefill_into_slots(params, cache_k, cache_v, tokens, lengths, dst_slot, src_
      [moe_layers, P, L, k], top logprobs [M, top_n], top ids [M, top_n]).
   """
   logits, routing, ks, vs = forward.prefill(params, cfg, tokens, lengths, caps)
-  t = tokens.shape[1]
-  cache_k = tuple(c.at[dst_slot, :, :, :t].set(k[src_row].astype(c.dtype), mode="drop")
-                  for c, k in zip(cache_k, ks))
-  cache_v = tuple(c.at[dst_slot, :, :t].set(v[src_row].astype(c.dtype), mode="drop")
-                  for c, v in zip(cache_v, vs))
+  cache_k, cache_v = kv_cache.write_prompts(cache_k, cache_v, ks, vs, dst_slot, src_row)
   tok, lp, top_lp, top_ids = sampling.sample(logits[src_row], temp, top_k, top_p, seed, sample,
                                              jnp.zeros_like(sample), top_n)
   return cache_k, cache_v, tok, lp, routing.astype(cfg.routing_dtype), top_lp, top_ids
@@ -81,12 +79,9 @@ def decode_chunk(params, cache_k, cache_v, slots, *, cfg: ModelConfig, nb: int, 
     [steps, nb], logprobs float32 [steps, nb], routing [steps, moe_layers, nb, k],
     valid bool [steps, nb], top_logprobs [steps, nb, top_n], top_ids [steps, nb, top_n]).
   """
-  b, s_len = cache_v[0].shape[0], cache_v[0].shape[2]
   st = {k: v[:nb] for k, v in slots.items()}
-  full = nb == b and sv == s_len
   with jax.named_scope("cache_window"):
-    ck = cache_k if full else tuple(c[:nb, :, :, :sv] for c in cache_k)
-    cv = cache_v if full else tuple(c[:nb, :, :sv] for c in cache_v)
+    ck, cv = kv_cache.window(cache_k, cache_v, nb, sv)
 
   def body(carry, _):
     ck, cv, c = carry
@@ -108,8 +103,6 @@ def decode_chunk(params, cache_k, cache_v, slots, *, cfg: ModelConfig, nb: int, 
 
   init = {k: st[k] for k in CARRIED}
   (ck, cv, carried), outs = jax.lax.scan(body, (ck, cv, init), None, length=steps)
-  if not full:
-    with jax.named_scope("cache_window"):
-      ck = tuple(jax.lax.dynamic_update_slice(c, s, (0, 0, 0, 0)) for c, s in zip(cache_k, ck))
-      cv = tuple(jax.lax.dynamic_update_slice(c, s, (0, 0, 0, 0)) for c, s in zip(cache_v, cv))
+  with jax.named_scope("cache_window"):
+    ck, cv = kv_cache.write_back(cache_k, cache_v, ck, cv)
   return ck, cv, carried, outs

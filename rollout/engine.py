@@ -41,6 +41,7 @@ from moe.config import ModelConfig
 from rollout import delta_swap
 from rollout import device_programs
 from rollout import forward
+from rollout import kv_cache
 from rollout import packed_weights
 from rollout import request_checks
 from rollout.engine_types import (Completion, EngineConfig, EngineStopped, PreparedWeights,
@@ -124,7 +125,7 @@ class Engine:
   def _alloc_cache(self) -> None:
     cfg = self.model_config
     dt = self._params["embed"].dtype
-    self._ck, self._cv = forward.empty_cache(cfg, self.config.max_slots, self.max_len, dt)
+    self._ck, self._cv = kv_cache.allocate(cfg, self.config.max_slots, self.max_len, dt)
 
   def start(self) -> None:
     if self._thread is not None:

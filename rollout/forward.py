@@ -2,16 +2,13 @@
 
 What: the same decoder as `moe.model.MoEDecoder` (RMSNorm, GQA attention with RoPE and optional
 QK-norm, softmax/sigmoid top-k routers, SwiGLU experts, shared experts, dense prefix layers), written
-for the sampler's packed layout (`rollout.packed_weights`) and its slot KV cache.
+for the sampler's packed layout (`rollout.packed_weights`) and its slot KV cache
+(`rollout.kv_cache`).
 
 Why not call `MoEDecoder` directly: decoding on the CPU is bound by per-op overhead and wasted
 expert FLOPs. Here
-  * the KV cache is keys [slots, kv_heads, head_dim, length] (transposed) and values
-    [slots, kv_heads, length, head_dim] per layer. A decode step's scores are then an elementwise
-    product summed over head_dim with length as the contiguous (vectorised) axis, and its output
-    a batched matvec over contiguous values; callers attend over a length-bucketed prefix. On
-    the CPU this is 2.4x faster than two batched matmuls over [.., length, head_dim], which XLA
-    runs as thousands of tiny [group x head_dim] x [head_dim x length] products;
+  * decode attention reads the slot cache in its transposed-key layout (why: `rollout.kv_cache`)
+    over a length-bucketed prefix chosen by the caller;
   * experts run through a capacity dispatch whose capacity is picked per layer and per step from
     a small set of tiers (`caps`) by the actual maximum expert load, with the last tier dropless
     (capacity = tokens). So no token is ever dropped, and the common case pays ~1.25-1.5x the ideal
@@ -31,6 +28,7 @@ import jax.numpy as jnp
 
 from moe import layers as moe_layers
 from moe.config import ModelConfig
+from rollout import kv_cache
 
 _NEG_INF = -1e30
 
@@ -40,13 +38,6 @@ def rms_norm(x, scale, eps):
   x32 = x.astype(jnp.float32)
   var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
   return (scale * (x32 * jax.lax.rsqrt(var + eps))).astype(x.dtype)
-
-
-def empty_cache(cfg: ModelConfig, slots: int, length: int, dtype=jnp.float32) -> tuple:
-  """Zeroed per-layer slot caches (keys [slots, KV, hd, length], values [slots, KV, length, hd])."""
-  kvh, hd = cfg.num_kv_heads, cfg.resolved_head_dim
-  return (tuple(jnp.zeros((slots, kvh, hd, length), dtype) for _ in range(cfg.num_layers)),
-          tuple(jnp.zeros((slots, kvh, length, hd), dtype) for _ in range(cfg.num_layers)))
 
 
 def capacity_tiers(num_tokens: int, cfg: ModelConfig, factors, deterministic: bool) -> tuple:
@@ -152,8 +143,9 @@ def decode_step(params, cfg: ModelConfig, tokens, positions, cache_k, cache_v, c
     cfg: model config.
     tokens: int32 [B] input token of each slot.
     positions: int32 [B] its absolute position (< cache length).
-    cache_k: tuple (per layer) of [B, KV, hd, S] (keys transposed); cache_v: [B, KV, S, hd].
-      Entry s of a row is visible to the query when s <= position (stale entries are masked).
+    cache_k: tuple (per layer) of [B, KV, hd, S] (keys transposed); cache_v: [B, KV, S, hd]
+      (`rollout.kv_cache`). Entry s of a row is visible to the query when s <= position (stale
+      entries are masked).
     caps: expert capacity tiers for B tokens (`capacity_tiers`).
 
   Returns:
@@ -164,7 +156,6 @@ def decode_step(params, cfg: ModelConfig, tokens, positions, cache_k, cache_v, c
   g = cfg.num_heads // kvh
   dt = params["embed"].dtype
   x = jnp.take(params["embed"], tokens, axis=0)  # [B, D]
-  rows = jnp.arange(b)
   s_len = cache_v[0].shape[2]
   mask = jnp.arange(s_len)[None, :] <= positions[:, None]  # [B, S]
   new_k, new_v, routing = [], [], []
@@ -174,9 +165,7 @@ def decode_step(params, cfg: ModelConfig, tokens, positions, cache_k, cache_v, c
       hx = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
       q, k, v = _qkv(hx[:, None], lp, cfg, positions[:, None])
     with jax.named_scope("kv_write"):
-      ck = cache_k[li].at[rows, :, :, positions].set(k[:, 0].astype(cache_k[li].dtype),
-                                                     mode="drop")
-      cv = cache_v[li].at[rows, :, positions].set(v[:, 0].astype(cache_v[li].dtype), mode="drop")
+      ck, cv = kv_cache.write_step(cache_k[li], cache_v[li], positions, k[:, 0], v[:, 0])
     new_k.append(ck)
     new_v.append(cv)
     with jax.named_scope("attention"):

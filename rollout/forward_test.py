@@ -10,6 +10,7 @@ import pytest
 from moe import params as moe_params
 from moe.model import KVCache
 from rollout import forward
+from rollout import kv_cache
 from rollout import packed_weights
 from rollout import testing
 
@@ -52,9 +53,9 @@ def test_prefill_then_decode_matches_full_forward(variant):
     np.testing.assert_array_equal(np.sort(routing[:, r, :lengths[r]], -1),
                                   np.sort(full.routing[:, r, :lengths[r]], -1))
   # Decode the remaining tokens one at a time from the prefilled cache.
-  ck, cv = forward.empty_cache(cfg, 2, 32)
-  ck = tuple(c.at[:, :, :, :16].set(k) for c, k in zip(ck, ks))
-  cv = tuple(c.at[:, :, :16].set(v) for c, v in zip(cv, vs))
+  ck, cv = kv_cache.allocate(cfg, 2, 32)
+  rows = np.arange(2, dtype=np.int32)
+  ck, cv = kv_cache.write_prompts(ck, cv, ks, vs, rows, rows)
   pos = lengths.copy()
   dtiers = forward.capacity_tiers(2, cfg, (1.0,), False)
   for _ in range(12 - 9):
