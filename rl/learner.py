@@ -10,10 +10,15 @@ same global host batch and `place` hands each device its rows.
 
 `sampler_weights` returns what weight sync publishes to samplers: the current policy's flat
 weights (moe.params.flatten names) cast to the sampler dtype, and the policy version.
+
+Every program builds its learner with `build_learner` from one nested `LearnerConfig` (the loss
+and optimizer configs inside it, levanter-style), so the in-process pipeline, the multi-process
+learner and the benchmarks cannot translate the same settings differently.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Mapping, Optional
 
@@ -32,6 +37,60 @@ from rl import train_state as ts
 from rl import train_step as step_lib
 from rl.train_step import LossConfig
 from rl.train_state import OptimizerConfig, TrainState
+
+@dataclasses.dataclass(frozen=True)
+class LearnerConfig:
+  """Everything that says how a learner trains, nested (hashable, gin-bindable at the edge).
+
+  Attributes:
+    optimizer: optimizer and learning-rate schedule.
+    loss: objective, policy loss, router replay, auxiliary losses. Leave its max_staleness
+      unset in RL runs: `build_learner` takes the pipeline's bound.
+    micro_batches: gradient-accumulation micro-batches per optimizer step.
+    minibatches: optimizer steps per train_step (PPO-style minibatch updates over one batch).
+    sampler_dtype: dtype of the weights published to samplers.
+  """
+
+  optimizer: OptimizerConfig = OptimizerConfig()
+  loss: LossConfig = LossConfig()
+  micro_batches: int = 1
+  minibatches: int = 1
+  sampler_dtype: str = "bfloat16"
+
+  def __post_init__(self):
+    if self.micro_batches < 1 or self.minibatches < 1:
+      raise ValueError("LearnerConfig: micro_batches and minibatches must be >= 1")
+
+
+def build_learner(config: LearnerConfig, model_cfg: ModelConfig, *, mesh: Mesh, seed: int = 0,
+                  init_model: Optional[MoEDecoder] = None,
+                  max_staleness: Optional[int] = None) -> "Learner":
+  """The learner `config` describes: the one way programs construct a `Learner`.
+
+  Args:
+    config: the learner's settings.
+    model_cfg: the model (`init_model`, when given, is of this config).
+    mesh: device mesh (moe.sharding.make_mesh).
+    seed: parameter initialisation seed (unused with `init_model`).
+    init_model: start from these parameters instead of a fresh initialisation.
+    max_staleness: the run's staleness bound (PipelineConfig.max_staleness) for the policy
+      loss's mask. It is the single source of that number: a config whose loss already names a
+      different bound is refused rather than silently overridden.
+
+  Raises:
+    ValueError: `config.loss.max_staleness` is set and differs from `max_staleness`.
+  """
+  loss = config.loss
+  if max_staleness is not None:
+    if loss.max_staleness is not None and loss.max_staleness != max_staleness:
+      raise ValueError(f"LossConfig.max_staleness ({loss.max_staleness}) disagrees with the "
+                       f"pipeline's bound ({max_staleness}); set only "
+                       "PipelineConfig.max_staleness")
+    loss = dataclasses.replace(loss, max_staleness=max_staleness)
+  return Learner(model_cfg, mesh=mesh, opt_cfg=config.optimizer, loss_cfg=loss,
+                 micro_batches=config.micro_batches, minibatches=config.minibatches, seed=seed,
+                 init_model=init_model, sampler_dtype=config.sampler_dtype)
+
 
 # Jitted step functions by (model config, optimizer config, loss config, micro-batches,
 # minibatches, mesh): everything the traced program depends on. Learners with equal keys (a
@@ -80,6 +139,9 @@ def _finalise(update_metrics: list[dict], prep: dict, objective: str) -> dict:
 
 class Learner:
   """Sharded train state + jitted train step.
+
+  Programs construct one with `build_learner`; the constructor's plain arguments are for the
+  unit tests of the learner itself.
 
   Args:
     model_cfg: the model (ModelConfig.dtype is the compute dtype; param_dtype should be float32

@@ -6,6 +6,7 @@ summation order) are compared with rtol=1e-5 / atol=1e-6; the CPU's float32 matm
 about 1e-6 relative between such programs (see /work/shared/verified-here.md).
 """
 
+import dataclasses
 import os
 import sys
 
@@ -19,6 +20,7 @@ import pytest
 from moe import params
 from moe import sharding
 from moe.config import ModelConfig
+from rl import learner as learner_lib
 from rl import objectives
 from rl.learner import Learner
 from rl.objectives import PolicyLossConfig
@@ -108,6 +110,34 @@ def test_staleness_bound_drops_and_counts_tokens():
   np.testing.assert_array_equal(m["staleness_hist"][:4], [6, 6, 0, 12])
   # The recorded routing is the learner's own, and agreement counts every token (stale ones too).
   assert m["routing_agreement"] == 1.0
+
+
+def test_build_learner_takes_the_nested_config_and_the_pipelines_bound():
+  """build_learner is what every program calls: each setting of the nested config reaches the
+  learner; the staleness bound comes from the caller (the pipeline), and with no bound (None)
+  no token is dropped however stale."""
+  mesh = sharding.make_mesh((1, 1, 1, 1))
+  config = learner_lib.LearnerConfig(
+      optimizer=OptimizerConfig(learning_rate=3e-3, warmup_steps=2),
+      loss=LossConfig(objective="policy", replay="off", aux_loss=False,
+                      policy=PolicyLossConfig(clip_eps_high=0.3)),
+      micro_batches=2, minibatches=1, sampler_dtype="float32")
+  learner = learner_lib.build_learner(config, CFG, mesh=mesh, seed=3, max_staleness=1)
+  assert learner.opt_cfg == config.optimizer and learner.micro_batches == 2
+  assert learner.loss_cfg == dataclasses.replace(config.loss, max_staleness=1)
+  assert learner.sampler_dtype == np.float32
+  assert learner_lib.build_learner(config, CFG, mesh=mesh, max_staleness=1).loss_cfg == (
+      learner.loss_cfg)  # the same bound named twice is fine
+  with pytest.raises(ValueError, match=r"LossConfig.max_staleness \(2\) disagrees"):
+    learner_lib.build_learner(
+        dataclasses.replace(config, loss=dataclasses.replace(config.loss, max_staleness=2)),
+        CFG, mesh=mesh, max_staleness=1)
+  unbounded = learner_lib.build_learner(config, CFG, mesh=mesh)
+  assert unbounded.loss_cfg.max_staleness is None
+  batch = _own_rollouts(unbounded)
+  unbounded.state = unbounded.state.replace(policy_version=jnp.asarray(9, jnp.int32))
+  m = unbounded.train_step(batch)
+  assert m["stale_tokens"] == 0 and m["tokens"] == float(np.sum(batch["loss_mask"]))
 
 
 def test_routing_agreement_counts_what_the_sampler_chose_differently():

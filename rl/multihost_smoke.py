@@ -22,7 +22,7 @@ import numpy as np
 
 from moe import sharding
 from moe.config import ModelConfig
-from rl.learner import Learner
+from rl import learner as learner_lib
 from rl.train_state import OptimizerConfig
 
 SMOKE_CFG = ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2,
@@ -57,8 +57,9 @@ def run(steps: int = 4, rows: int = 4, length: int = 8) -> dict:
   """
   devices = jax.devices()  # global: every process's devices
   mesh = sharding.make_mesh((len(devices), 1, 1, 1), devices)
-  learner = Learner(SMOKE_CFG, mesh=mesh, opt_cfg=OptimizerConfig(learning_rate=1e-2),
-                    micro_batches=2, sampler_dtype="float32")
+  learner = learner_lib.build_learner(
+      learner_lib.LearnerConfig(optimizer=OptimizerConfig(learning_rate=1e-2), micro_batches=2,
+                                sampler_dtype="float32"), SMOKE_CFG, mesh=mesh)
   initial, _ = learner.sampler_weights()  # all-gathered: every process calls it
   records = []
   n_proc, pid = jax.process_count(), jax.process_index()

@@ -48,7 +48,10 @@ class LossConfig:
     replay: router replay of recorded routing: "on" (proximal and gradient passes), "off"
       (neither) or "proximal" (the proximal pass only).
     max_staleness: tokens sampled by a policy more than this many versions older than the
-      learner are dropped from the loss (and counted).
+      learner are dropped from the loss (and counted); None: no bound. An RL run does not set
+      it here: `rl.learner.build_learner` fills it from the pipeline's bound
+      (PipelineConfig.max_staleness), so the rollouts' admission, the batcher and this mask
+      share one number.
     staleness_bins: histogram bins of the version lag (the last bin collects larger lags).
     aux_loss: add the model's router auxiliary losses.
   """
@@ -56,7 +59,7 @@ class LossConfig:
   objective: str = "next_token"
   policy: PolicyLossConfig = PolicyLossConfig()
   replay: str = "on"
-  max_staleness: int = 4
+  max_staleness: Optional[int] = None
   staleness_bins: int = 8
   aux_loss: bool = True
 
@@ -65,7 +68,7 @@ class LossConfig:
       raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
     if self.replay not in REPLAY_MODES:
       raise ValueError(f"replay must be one of {REPLAY_MODES}, got {self.replay!r}")
-    if self.max_staleness < 0 or self.staleness_bins < 2:
+    if (self.max_staleness is not None and self.max_staleness < 0) or self.staleness_bins < 2:
       raise ValueError("need max_staleness >= 0 and staleness_bins >= 2")
 
 
@@ -115,7 +118,10 @@ def make_prepare(graphdef: nnx.GraphDef, loss_cfg: LossConfig):
       return extra, metrics
     lag = state.policy_version - objectives.shift_left(batch["policy_versions"])
     lag = jnp.maximum(lag, 0)
-    stale = (lag > loss_cfg.max_staleness) & (mask > 0)
+    if loss_cfg.max_staleness is None:
+      stale = jnp.zeros(mask.shape, bool)
+    else:
+      stale = (lag > loss_cfg.max_staleness) & (mask > 0)
     hist = jnp.bincount(jnp.minimum(lag, loss_cfg.staleness_bins - 1).reshape(-1),
                         weights=mask.reshape(-1), length=loss_cfg.staleness_bins)
     mask = mask * (1.0 - stale.astype(jnp.float32))
