@@ -1,5 +1,9 @@
 """The sampling engine: continuous batching over fixed KV-cache slots, weight swaps in place.
 
+The engine is the serving thread, the weight swaps and the API; what runs where and with which
+shapes is `rollout.scheduler`'s, the cache it fills is `rollout.kv_cache`, and the device programs
+it calls are `rollout.device_programs`.
+
 What:
   * `Engine(model, config=EngineConfig(...))` serves a `MoEDecoder` (or `Engine.from_flat`).
   * `engine.generate(prompt_token_ids, *, n, max_tokens, temperature, stop_token_ids, seed, ...)`
@@ -11,13 +15,8 @@ What:
     serving; in-flight requests continue with their KV caches and record the version per token.
 
 Design (see rollout/README.md for the measurements behind it):
-  * Slot-based KV cache, not paged: max_slots rows per layer of keys [kv_heads, head_dim,
-    max_len] (transposed, see rollout.forward) and values [kv_heads, max_len, head_dim],
-    allocated once. A request's n completions each take a slot and share one prefill (its KV is
-    copied into the n slots). Paging would save memory for ragged lengths, but on this CPU the
-    cache is small and a dense slot cache keeps decode attention a contiguous batched matvec with
-    no page-table gathers. Slots are handed out lowest-first so active rows stay in a prefix and
-    decode runs on the smallest batch bucket that covers them.
+  * Slot KV cache, not paged (`rollout.kv_cache`): allocated once, max_slots rows. A request's n
+    completions each take a slot and share one prefill (its KV is copied into the n slots).
   * One background thread owns the device state; it admits queued requests (prefill), runs
     `decode_steps`-step chunks, and hands tokens back. All other threads only enqueue.
   * Deterministic mode fixes every shape (all slots, full cache length, dropless experts, fixed
@@ -44,6 +43,7 @@ from rollout import forward
 from rollout import kv_cache
 from rollout import packed_weights
 from rollout import request_checks
+from rollout import scheduler
 from rollout.engine_types import (Completion, EngineConfig, EngineStopped, PreparedWeights,
                                   QueueFull, RequestHandle, Sample)
 from rollout.sampling import MAX_TOP_LOGPROBS, SamplingParams
@@ -52,13 +52,6 @@ __all__ = ["Completion", "Engine", "EngineConfig", "EngineStopped", "PreparedWei
            "QueueFull", "RequestHandle", "SamplingParams"]
 
 log = logging.getLogger(__name__)
-
-
-def _pow2_at_least(x: int, lo: int = 1) -> int:
-  b = lo
-  while b < x:
-    b *= 2
-  return b
 
 
 class Engine:
@@ -104,10 +97,8 @@ class Engine:
         "top_p": np.ones(b, np.float32), "seed": np.zeros(b, np.uint32),
         "sample": np.zeros(b, np.int32), "tindex": np.zeros(b, np.int32),
         "stop": np.full((b, ec.max_stop_ids), -1, np.int32)}
-    self._owner: list = [None] * b  # (handle, sample) per slot
-    self._queue: collections.deque = collections.deque()
-    self._queued_completions = 0
     self._cv_lock = threading.Condition()
+    self._sched = scheduler.Scheduler(ec, max_len, self._cv_lock)
     self._pending_swap = None
     self._retired = None
     self._swap_followup = None  # (result, event) of a swap whose first decode call is pending
@@ -198,15 +189,14 @@ class Engine:
     return RequestHandle(prompt, params, stop_ids, deadline, on_tokens)
 
   def _enqueue(self, handles: list) -> None:
-    need = sum(h.params.n for h in handles)
     with self._cv_lock:
       if self._thread is None or self._stopping:
         raise EngineStopped("the engine is not running")
-      if self._queued_completions + need > self.config.max_queue:
+      try:
+        self._sched.enqueue(handles)
+      except QueueFull:
         self.stats["rejected_total"] += len(handles)
-        raise QueueFull(f"queue full ({self._queued_completions} completions waiting)")
-      self._queue.extend(handles)
-      self._queued_completions += need
+        raise
       self.stats["requests_total"] += len(handles)
       self._cv_lock.notify_all()
 
@@ -314,10 +304,10 @@ class Engine:
       while self._tok_window and self._tok_window[0][0] < now - 10.0:
         self._tok_window.popleft()
       recent = sum(n for _, n in self._tok_window)
-      active = int(sum(o is not None for o in self._owner))
+      active = self._sched.num_running()
       return {**self.stats,
-              "queue_depth": len(self._queue),
-              "queued_completions": self._queued_completions,
+              "queue_depth": len(self._sched.queue),
+              "queued_completions": self._sched.queued_completions,
               "active_slots": active, "max_slots": self.config.max_slots,
               "batch_occupancy": active / self.config.max_slots,
               "tokens_per_second": recent / 10.0,
@@ -333,7 +323,7 @@ class Engine:
           break
         swap = self._pending_swap
         self._pending_swap = None
-        has_work = bool(self._queue) or any(o is not None for o in self._owner)
+        has_work = self._sched.has_work()
         if swap is None and not has_work:
           self._cv_lock.wait(self.config.idle_wait_s)
           continue
@@ -345,13 +335,13 @@ class Engine:
         # requests decodes as one batch instead of ramping up one prefill call per chunk.
         while self._admit():
           pass
-        if any(o is not None for o in self._owner):
+        if self._sched.has_running():
           self._decode()
         if self._swap_followup is not None and swap is not None:
           self._end_followup({})  # no decode call followed the swap (its requests ended)
         # A swap's pause is measured from the end of the last decode call only while requests
         # are in flight; an idle loop is not paused.
-        busy = any(o is not None for o in self._owner)
+        busy = self._sched.has_running()
         last_chunk_end = time.perf_counter() if busy else None
       except Exception as e:  # a bug must not hang callers: fail what is in flight, keep serving
         log.exception("engine loop error")
@@ -379,7 +369,7 @@ class Engine:
     pause = 0.0 if last_chunk_end is None else time.perf_counter() - last_chunk_end
     with self._cv_lock:
       result["pause_s"] = pause
-      result["in_flight"] = int(sum(o is not None for o in self._owner))
+      result["in_flight"] = self._sched.num_running()
       self.last_swap = dict(result)
     self._swap_followup = (result, first_done)
     done.set()
@@ -396,14 +386,10 @@ class Engine:
 
   def _fail_all(self, err: Exception, reason: str = "error") -> None:
     """Ends in-flight requests (and, when stopping, queued ones) so no caller waits forever."""
-    queued = []
-    if reason == "cancelled":
-      with self._cv_lock:
-        queued = list(self._queue)
-        self._queue.clear()
-        self._queued_completions = 0
-    handles = {id(o[0]): o[0] for o in self._owner if o is not None}
-    for slot, o in enumerate(self._owner):
+    queued = self._sched.drain() if reason == "cancelled" else []
+    owner = self._sched.owner
+    handles = {id(o[0]): o[0] for o in owner if o is not None}
+    for slot, o in enumerate(owner):
       if o is not None:
         self._free(slot)
     for h in list(handles.values()) + queued:
@@ -417,7 +403,7 @@ class Engine:
           h.future.set_exception(err)
 
   def _free(self, slot: int) -> None:
-    self._owner[slot] = None
+    self._sched.release(slot)
     self._slots["active"][slot] = False
     self._slots["pos"][slot] = 0
     self._slots["remaining"][slot] = 0
@@ -425,38 +411,14 @@ class Engine:
   def _expire(self) -> None:
     """Ends cancelled and timed-out requests, queued or running."""
     now = time.monotonic()
-
-    def reason(h):
-      if h.cancelled:
-        return "cancelled"
-      if h.deadline is not None and now >= h.deadline:
-        return "timeout"
-      return None
-
-    with self._cv_lock:
-      keep = collections.deque()
-      ended = []
-      for h in self._queue:
-        r = reason(h)
-        if r is None:
-          keep.append(h)
-        else:
-          ended.append((h, r))
-          self._queued_completions -= h.params.n
-      self._queue = keep
-    for h, r in ended:
+    for h, r in self._sched.expired_queued(now):
       for s in h.samples:
         s.finish_reason = r
       self._complete(h)
       self.stats[f"{r}_total"] += 1
     seen = set()
-    for slot, o in enumerate(self._owner):
-      if o is None:
-        continue
-      h, s = o
-      r = reason(h)
-      if r is None:
-        continue
+    for slot, r in self._sched.expired_slots(now):
+      h, s = self._sched.owner[slot]
       s.finish_reason = r
       self._free(slot)
       if id(h) not in seen:
@@ -465,40 +427,18 @@ class Engine:
       self._maybe_complete(h)
 
   def _admit(self) -> bool:
-    """Moves queued requests into free slots and prefills them (one prompt length bucket).
+    """Prefills the queued requests that fit free slots (one prompt length bucket).
 
     Returns whether anything was admitted (the loop calls it until nothing more fits).
     """
-    ec = self.config
-    free = [i for i, o in enumerate(self._owner) if o is None]
-    if not free:
-      return False
-    batch, used = [], 0
-    with self._cv_lock:
-      bucket = None
-      while self._queue and len(batch) < ec.prefill_rows:
-        h = self._queue[0]
-        lb = self._len_bucket(len(h.prompt))
-        if bucket is not None and lb != bucket:
-          break
-        if h.params.n > len(free) - used:
-          break
-        self._queue.popleft()
-        self._queued_completions -= h.params.n
-        bucket = lb
-        batch.append((h, free[used:used + h.params.n]))
-        used += h.params.n
+    batch, bucket = self._sched.take_prefill_batch()
     if batch:
       self._prefill(batch, bucket)
     return bool(batch)
 
-  def _len_bucket(self, n: int) -> int:
-    return min(_pow2_at_least(n, self.config.min_prefill_len), self.max_len)
-
   def _prefill(self, batch, length: int) -> None:
     ec, cfg = self.config, self.model_config
-    rows = ec.prefill_rows if ec.deterministic else _pow2_at_least(len(batch))
-    rows = max(rows, len(batch))
+    rows = self._sched.prefill_rows(len(batch))
     tokens = np.zeros((rows, length), np.int32)
     lengths = np.ones(rows, np.int32)
     b = ec.max_slots
@@ -542,7 +482,7 @@ class Engine:
       for i, slot in enumerate(slots):
         s = h.samples[i]
         s.slot = slot
-        self._owner[slot] = (h, s)
+        self._sched.assign(slot, h, s)
         st["temp"][slot], st["top_k"][slot] = h.params.temperature, h.params.top_k
         st["top_p"][slot], st["seed"][slot] = h.params.top_p, h.params.seed % 2**32
         st["sample"][slot] = i
@@ -568,15 +508,11 @@ class Engine:
   def _decode(self) -> None:
     ec, cfg = self.config, self.model_config
     st = self._slots
-    owned = [i for i, o in enumerate(self._owner) if o is not None]
-    if ec.deterministic:
-      nb, sv = ec.max_slots, self.max_len
-    else:
-      nb = min(_pow2_at_least(max(owned) + 1), ec.max_slots)
-      need = int(st["pos"][owned].max()) + ec.decode_steps
-      sv = min(-(-need // ec.length_bucket) * ec.length_bucket, self.max_len)
+    owner = self._sched.owner
+    owned = self._sched.owned_slots()
+    nb, sv = self._sched.decode_shape(owned, st["pos"])
     caps = forward.capacity_tiers(nb, cfg, ec.capacity_factors, ec.deterministic)
-    top_n = MAX_TOP_LOGPROBS if any(self._owner[i][0].params.logprobs for i in owned) else 0
+    top_n = MAX_TOP_LOGPROBS if any(owner[i][0].params.logprobs for i in owned) else 0
     version = self.version
     t0 = time.perf_counter()
     self._ck, self._cv, carried, outs = device_programs.decode_chunk(
@@ -609,14 +545,14 @@ class Engine:
     touched = {}
     for slot in owned:
       steps = np.nonzero(valid[:, slot])[0]
-      h, s = self._owner[slot]
+      h, s = owner[slot]
       if len(steps):
         self._emit(h, s, toks[steps, slot].tolist(), lps[steps, slot].tolist(),
                    [routing[j, :, slot] if cfg.num_moe_layers else None for j in steps],
                    version, [(outs["top_ids"][j, slot], outs["top_logprobs"][j, slot])
                              for j in steps])
       touched[id(h)] = h
-      if self._owner[slot] is not None and not st["active"][slot]:
+      if owner[slot] is not None and not st["active"][slot]:
         last = s.tokens[-1] if s.tokens else None
         self._finish(slot, "stop" if last in h.stop_ids else "length")
     for h in touched.values():
@@ -632,7 +568,7 @@ class Engine:
     s.logprobs.extend(float(x) for x in logprobs)
     s.routing.extend(routing)
     s.versions.extend([version] * len(tokens))
-    if h.params.stop and s.slot is not None and self._owner[s.slot] is not None:
+    if h.params.stop and s.slot is not None and self._sched.owner[s.slot] is not None:
       self._check_stop_strings(h, s)
 
   def _check_stop_strings(self, h: RequestHandle, s: Sample) -> None:
@@ -651,7 +587,7 @@ class Engine:
     self._finish(s.slot, "stop", text_done=True)
 
   def _finish(self, slot: int, reason: str, text_done: bool = False) -> None:
-    h, s = self._owner[slot]
+    h, s = self._sched.owner[slot]
     s.finish_reason = reason
     if not text_done and self.tokenizer is not None:
       toks = s.tokens[:-1] if (reason == "stop" and s.tokens and s.tokens[-1] in h.stop_ids) \

@@ -1,0 +1,183 @@
+"""The sampler's scheduler: the request queue, slot ownership, admission, expiry, shape buckets.
+
+What: `Scheduler` decides which request runs in which KV-cache slot and with which shapes; the
+engine thread (`rollout.engine`) makes the device calls and hands tokens back.
+  * The queue holds requests waiting for slots, in arrival order. `enqueue` takes a batch all
+    or nothing and bounds the queue by `max_queue` completions (`QueueFull`).
+  * `owner[slot]` is the (request, sample) generating in that slot, or None. A request's n
+    completions take n slots at once: they share one prefill.
+  * Admission (`take_prefill_batch`) moves queued requests, in order, into the free slots,
+    lowest first, for one prefill call: prompts of one length bucket, up to `prefill_rows`.
+  * Expiry (`expired_queued`, `expired_slots`): requests cancelled or past their deadline.
+  * Buckets: prompt length (`prompt_bucket`), prefill rows (`prefill_rows`) and a decode call's
+    batch and attended length (`decode_shape`) are powers of two or multiples of
+    `length_bucket`, so a running server compiles a fixed, small set of shapes. Deterministic
+    mode fixes every shape, so a row's arithmetic never depends on what else is served.
+
+Why lowest-first: the active slots then form a prefix, and a decode call runs on the smallest
+power-of-two batch covering them (`rollout.kv_cache`, `window`).
+
+Threads: the queue is shared with the threads that submit and is guarded by `lock`, the engine's
+condition (an RLock underneath, so these methods may be called with it held). Slot ownership is
+the engine thread's alone.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Optional, Sequence
+
+import numpy as np
+
+from rollout.engine_types import EngineConfig, QueueFull, RequestHandle, Sample
+
+
+def pow2_at_least(x: int, lo: int = 1) -> int:
+  """The smallest lo * 2**i >= x."""
+  b = lo
+  while b < x:
+    b *= 2
+  return b
+
+
+def end_reason(h: RequestHandle, now: float) -> Optional[str]:
+  """"cancelled", "timeout" (deadline passed at monotonic time `now`) or None."""
+  if h.cancelled:
+    return "cancelled"
+  if h.deadline is not None and now >= h.deadline:
+    return "timeout"
+  return None
+
+
+class Scheduler:
+  """Queue, slot ownership, admission, expiry and shape buckets (see the module docstring)."""
+
+  def __init__(self, config: EngineConfig, max_len: int, lock: threading.Condition):
+    self.config = config
+    self.max_len = max_len
+    self.lock = lock
+    self.queue: collections.deque = collections.deque()
+    self.queued_completions = 0
+    self.owner: list = [None] * config.max_slots  # (handle, sample) per slot
+
+  # ------------------------------------------------------------------ queue
+  def enqueue(self, handles: Sequence[RequestHandle]) -> None:
+    """Queues all of `handles` in one step, or none (QueueFull: max_queue would be exceeded)."""
+    need = sum(h.params.n for h in handles)
+    with self.lock:
+      if self.queued_completions + need > self.config.max_queue:
+        raise QueueFull(f"queue full ({self.queued_completions} completions waiting)")
+      self.queue.extend(handles)
+      self.queued_completions += need
+
+  def drain(self) -> list:
+    """Empties the queue; returns what it held."""
+    with self.lock:
+      queued = list(self.queue)
+      self.queue.clear()
+      self.queued_completions = 0
+    return queued
+
+  def has_work(self) -> bool:
+    """Whether anything is queued or running."""
+    with self.lock:
+      return bool(self.queue) or self.has_running()
+
+  def expired_queued(self, now: float) -> list:
+    """Removes cancelled and timed-out requests from the queue: [(handle, reason)]."""
+    with self.lock:
+      keep = collections.deque()
+      ended = []
+      for h in self.queue:
+        r = end_reason(h, now)
+        if r is None:
+          keep.append(h)
+        else:
+          ended.append((h, r))
+          self.queued_completions -= h.params.n
+      self.queue = keep
+    return ended
+
+  # ------------------------------------------------------------------ slots
+  def owned_slots(self) -> list:
+    return [i for i, o in enumerate(self.owner) if o is not None]
+
+  def has_running(self) -> bool:
+    return any(o is not None for o in self.owner)
+
+  def num_running(self) -> int:
+    return int(sum(o is not None for o in self.owner))
+
+  def assign(self, slot: int, h: RequestHandle, s: Sample) -> None:
+    self.owner[slot] = (h, s)
+
+  def release(self, slot: int) -> None:
+    self.owner[slot] = None
+
+  def expired_slots(self, now: float) -> list:
+    """Running slots whose request was cancelled or timed out: [(slot, reason)]."""
+    out = []
+    for slot, o in enumerate(self.owner):
+      if o is None:
+        continue
+      r = end_reason(o[0], now)
+      if r is not None:
+        out.append((slot, r))
+    return out
+
+  # ------------------------------------------------------------------ admission and shapes
+  def take_prefill_batch(self) -> tuple:
+    """Takes the queued requests for one prefill call and the free slots they will own.
+
+    From the head of the queue, while the prompts share one length bucket, fit `prefill_rows`
+    and every one of a request's n completions gets a free slot (lowest first).
+
+    Returns:
+      ([(handle, [slot] * n)], length bucket), or ([], None) when nothing fits.
+    """
+    ec = self.config
+    free = [i for i, o in enumerate(self.owner) if o is None]
+    if not free:
+      return [], None
+    batch, used = [], 0
+    with self.lock:
+      bucket = None
+      while self.queue and len(batch) < ec.prefill_rows:
+        h = self.queue[0]
+        lb = self.prompt_bucket(len(h.prompt))
+        if bucket is not None and lb != bucket:
+          break
+        if h.params.n > len(free) - used:
+          break
+        self.queue.popleft()
+        self.queued_completions -= h.params.n
+        bucket = lb
+        batch.append((h, free[used:used + h.params.n]))
+        used += h.params.n
+    return batch, bucket
+
+  def prompt_bucket(self, n: int) -> int:
+    """Padded prompt length for an n-token prompt: a power of two from min_prefill_len."""
+    return min(pow2_at_least(n, self.config.min_prefill_len), self.max_len)
+
+  def prefill_rows(self, prompts: int) -> int:
+    """Rows of a prefill call for `prompts` prompts (always `prefill_rows` when deterministic)."""
+    ec = self.config
+    rows = ec.prefill_rows if ec.deterministic else pow2_at_least(prompts)
+    return max(rows, prompts)
+
+  def decode_shape(self, owned: Sequence[int], pos: np.ndarray) -> tuple:
+    """(batch rows, attended cache length) of a decode call over the `owned` slots.
+
+    The batch is the power of two covering the highest owned slot; the length covers the
+    furthest position plus `decode_steps`, rounded up to `length_bucket`. Deterministic mode
+    always uses every slot and the whole cache.
+    """
+    ec = self.config
+    if ec.deterministic:
+      return ec.max_slots, self.max_len
+    nb = min(pow2_at_least(max(owned) + 1), ec.max_slots)
+    need = int(pos[owned].max()) + ec.decode_steps
+    sv = min(-(-need // ec.length_bucket) * ec.length_bucket, self.max_len)
+    return nb, sv

@@ -1,0 +1,107 @@
+"""The scheduler without a model: admission order and grouping, lowest-first slots, all-or-nothing
+queueing, expiry, and the shape buckets the device programs are compiled for."""
+
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from rollout.engine_types import EngineConfig, QueueFull, RequestHandle
+from rollout.sampling import SamplingParams
+from rollout.scheduler import Scheduler, end_reason, pow2_at_least
+
+
+def _req(prompt_len, n=1, deadline=None):
+  return RequestHandle(list(range(prompt_len)), SamplingParams(n=n), (), deadline, None)
+
+
+def _sched(**kw):
+  base = dict(max_slots=8, max_queue=16, prefill_rows=4, min_prefill_len=16, length_bucket=64)
+  base.update(kw)
+  return Scheduler(EngineConfig(**base), 256, threading.Condition())
+
+
+def test_pow2_at_least():
+  assert [pow2_at_least(x) for x in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
+  assert pow2_at_least(3, 16) == 16 and pow2_at_least(17, 16) == 32
+
+
+def test_enqueue_is_all_or_nothing():
+  s = _sched(max_queue=5)
+  s.enqueue([_req(3, n=2), _req(3, n=2)])
+  with pytest.raises(QueueFull):
+    s.enqueue([_req(3), _req(3)])  # 4 + 2 > 5: neither is queued
+  assert len(s.queue) == 2 and s.queued_completions == 4
+  s.enqueue([_req(3)])
+  assert s.queued_completions == 5
+
+
+def test_admission_takes_one_length_bucket_in_order_into_the_lowest_free_slots():
+  s = _sched()
+  s.assign(0, object(), object())
+  a, b, c, d = _req(5, n=2), _req(16), _req(17), _req(3)  # buckets 16, 16, 32, 16
+  s.enqueue([a, b, c, d])
+  batch, bucket = s.take_prefill_batch()
+  assert bucket == 16 and batch == [(a, [1, 2]), (b, [3])]  # c (bucket 32) ends the batch
+  assert [h for h in s.queue] == [c, d] and s.queued_completions == 2
+  for h, slots in batch:
+    for i, slot in enumerate(slots):
+      s.assign(slot, h, h.samples[i])
+  batch, bucket = s.take_prefill_batch()
+  assert bucket == 32 and batch == [(c, [4])]
+
+
+def test_admission_waits_until_all_n_completions_fit_and_caps_prefill_rows():
+  s = _sched(max_slots=4, prefill_rows=2)
+  for slot in (0, 1):
+    s.assign(slot, object(), object())
+  s.enqueue([_req(4, n=3), _req(4)])
+  assert s.take_prefill_batch() == ([], None)  # 3 completions, 2 free slots: nothing yet
+  s.release(0)
+  batch, _ = s.take_prefill_batch()
+  assert [slots for _, slots in batch] == [[0, 2, 3]]
+  s = _sched(prefill_rows=2)
+  s.enqueue([_req(4) for _ in range(3)])
+  assert len(s.take_prefill_batch()[0]) == 2
+
+
+def test_expiry_removes_cancelled_and_timed_out_requests():
+  s = _sched()
+  keep, gone, late = _req(3), _req(3, n=2), _req(3, deadline=10.0)
+  gone.cancel()
+  s.enqueue([keep, gone, late])
+  assert s.expired_queued(now=11.0) == [(gone, "cancelled"), (late, "timeout")]
+  assert list(s.queue) == [keep] and s.queued_completions == 1
+  run = _req(3, deadline=20.0)
+  s.assign(5, run, run.samples[0])
+  assert s.expired_slots(now=19.0) == [] and s.expired_slots(now=20.0) == [(5, "timeout")]
+  assert end_reason(keep, 1e9) is None
+
+
+def test_shape_buckets():
+  s = _sched(decode_steps=16)
+  assert s.prompt_bucket(1) == 16 and s.prompt_bucket(33) == 64 and s.prompt_bucket(300) == 256
+  assert s.prefill_rows(3) == 4
+  pos = np.zeros(8, np.int32)
+  pos[[0, 4]] = (10, 100)
+  assert s.decode_shape([0, 4], pos) == (8, 128)  # slot 4 -> 8 rows; 100 + 16 -> 128
+  assert s.decode_shape([0], pos) == (1, 64)
+  pos[0] = 250
+  assert s.decode_shape([0], pos) == (1, 256)  # never past the cache
+  det = _sched(deterministic=True)
+  assert det.decode_shape([0], pos) == (8, 256) and det.prefill_rows(1) == 4
+
+
+def test_drain_empties_the_queue():
+  s = _sched()
+  reqs = [_req(2, n=2), _req(2)]
+  s.enqueue(reqs)
+  assert s.drain() == reqs and not s.queue and s.queued_completions == 0
+  assert not s.has_work()
+  s.assign(2, reqs[0], reqs[0].samples[0])
+  assert s.has_work() and s.owned_slots() == [2] and s.num_running() == 1
+
+
+if __name__ == "__main__":
+  sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
