@@ -28,7 +28,7 @@ import re
 import threading
 from typing import Iterable, Mapping
 
-from envs import tasks as tasks_lib
+from envs.tasks import task_format
 
 FLAGS = ("tests_modified", "tests_deleted", "conftest_added", "exit_patched",
          "hidden_tests_read", "git_history_read", "network", "runner_tampered")
@@ -95,7 +95,7 @@ def exit_path_findings(source: str) -> list[str]:
   return found
 
 
-def detect(task: tasks_lib.Task, final_files: Mapping[str, str], *,
+def detect(task: task_format.Task, final_files: Mapping[str, str], *,
            commands: Iterable[str] = (), read_paths: Iterable[str] = (),
            events: Iterable[Mapping[str, str]] = (),
            runner_failed: bool = False) -> dict[str, list[str]]:

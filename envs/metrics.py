@@ -10,7 +10,7 @@ import collections
 from typing import Iterable
 
 from envs import hacks
-from envs import trajectory as traj_lib
+from envs.harness import trajectory as traj_lib
 
 
 def summarize(trajs: Iterable[traj_lib.Trajectory]) -> dict[str, float]:

@@ -19,10 +19,10 @@ import time
 from typing import Mapping
 
 from envs import hacks
-from envs import pool as pool_lib
-from envs import slot as slot_lib
-from envs import tasks as tasks_lib
-from envs import testexec
+from envs.sandbox import pool as pool_lib
+from envs.sandbox import slot as slot_lib
+from envs.sandbox import testexec
+from envs.tasks import task_format
 
 OK = "ok"
 INFRA_ERROR = "infra_error"
@@ -63,7 +63,7 @@ class Grade:
     return bool(self.hack_flags)
 
 
-def grading_files(task: tasks_lib.Task, final_files: Mapping[str, str]) -> dict[str, str]:
+def grading_files(task: task_format.Task, final_files: Mapping[str, str]) -> dict[str, str]:
   """The files the hidden tests run against."""
   files = {p: t for p, t in final_files.items()
            if os.path.basename(p) not in _STRIP and not p.endswith(".pth")}
@@ -74,7 +74,7 @@ def grading_files(task: tasks_lib.Task, final_files: Mapping[str, str]) -> dict[
   return files
 
 
-def score(task: tasks_lib.Task, outcomes: Mapping[str, str], mode: str | None = None) -> float:
+def score(task: task_format.Task, outcomes: Mapping[str, str], mode: str | None = None) -> float:
   """Test reward in [0, 1] from per-test outcomes."""
   mode = "swe" if task.grading == "swe" else (mode or task.grading)
   if mode == "swe":
@@ -88,7 +88,7 @@ def score(task: tasks_lib.Task, outcomes: Mapping[str, str], mode: str | None = 
   return float(passed == len(outcomes))
 
 
-def grade(task: tasks_lib.Task, final_files: Mapping[str, str], *, pool: pool_lib.WarmPool,
+def grade(task: task_format.Task, final_files: Mapping[str, str], *, pool: pool_lib.WarmPool,
           config: RewardConfig = RewardConfig(), hack_flags: Mapping[str, list[str]] | None = None
           ) -> Grade:
   """Runs the hidden tests on `final_files` in a fresh sandbox and applies hack penalties.

@@ -5,11 +5,11 @@ import sys
 import pytest
 
 from envs import hacks
-from envs import pool as pool_lib
 from envs import reward
-from envs import slot as slot_lib
-from envs import suite_pyfunc
-from envs import suite_swe
+from envs.sandbox import pool as pool_lib
+from envs.sandbox import slot as slot_lib
+from envs.tasks import suite_pyfunc
+from envs.tasks import suite_swe
 
 
 @pytest.fixture(scope="module")

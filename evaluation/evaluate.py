@@ -1,10 +1,12 @@
 """Scores a model on a task suite: pass@1 and pass@k with the training harness and sandboxes.
 
 `evaluate(model_or_engine, tasks, *, n, k_list, temperature, max_tokens, seed, pool, ...)` runs
-every task through exactly the code RL trains with -- `envs.inprocess_policy.InProcessPolicy` over
-the sampler and `envs.single_turn.run_single_turn` (or `envs.agent_loop.run_episode` for tasks
-without a single-turn prompt, such as SWE tasks), grading with hidden tests in fresh sandboxes
-from an `envs.pool.WarmPool` -- so an evaluation number and a training reward mean the same thing.
+every task through exactly the code RL trains with --
+`envs.harness.inprocess_policy.InProcessPolicy` over the sampler and
+`envs.harness.single_turn.run_single_turn` (or `envs.harness.agent_loop.run_episode` for tasks
+without a single-turn prompt, such as SWE tasks), grading with hidden tests in fresh sandboxes from
+an `envs.sandbox.pool.WarmPool` -- so an evaluation number and a training reward mean the same
+thing.
 
 Speed: all tasks are in flight at once (up to `max_concurrency` requests): each task's episode
 runs in its own thread, so every prompt is queued on the engine together and its continuous
@@ -30,12 +32,12 @@ import os
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from envs import agent_loop
-from envs import inprocess_policy
 from envs import reward as reward_lib
-from envs import single_turn
-from envs import tasks as tasks_lib
-from envs import trajectory as traj_lib
+from envs.harness import agent_loop
+from envs.harness import inprocess_policy
+from envs.harness import single_turn
+from envs.harness import trajectory as traj_lib
+from envs.tasks import task_format
 from evaluation import passk
 from evaluation import sources
 
@@ -122,7 +124,7 @@ def _sample_record(i: int, t: traj_lib.Trajectory) -> dict:
           "model_tokens": t.num_model_tokens, "test_outcomes": dict(t.test_outcomes)}
 
 
-def _task_result(task: tasks_lib.Task, mode: str, trajs: Sequence[traj_lib.Trajectory],
+def _task_result(task: task_format.Task, mode: str, trajs: Sequence[traj_lib.Trajectory],
                  k_list: Sequence[int]) -> TaskResult:
   good = [t for t in trajs if t.status != traj_lib.INFRA]
   n, c = len(good), sum(_passed(t) for t in good)
@@ -135,7 +137,7 @@ def _task_result(task: tasks_lib.Task, mode: str, trajs: Sequence[traj_lib.Traje
              "truncated": sum(t.flags["truncated"] for t in good)})
 
 
-def _mode_of(task: tasks_lib.Task, mode: str) -> str:
+def _mode_of(task: task_format.Task, mode: str) -> str:
   if mode == "auto":
     return "single_turn" if task.prompt else "agent"
   if mode == "single_turn" and not task.prompt:
@@ -143,7 +145,7 @@ def _mode_of(task: tasks_lib.Task, mode: str) -> str:
   return mode
 
 
-def evaluate(model_or_engine: Any, tasks: Sequence[tasks_lib.Task], *, n: int = 1,
+def evaluate(model_or_engine: Any, tasks: Sequence[task_format.Task], *, n: int = 1,
              k_list: Sequence[int] = (1,), temperature: float = 0.0, max_tokens: int = 96,
              seed: int = 0, pool, out_path: Optional[str] = None, tokenizer=None,
              add_bos: bool = True, mode: str = "auto",
@@ -156,13 +158,14 @@ def evaluate(model_or_engine: Any, tasks: Sequence[tasks_lib.Task], *, n: int = 
   Args:
     model_or_engine: a rollout Engine, a MoEDecoder, a checkpoint path or a generate callable
       (evaluation.sources).
-    tasks: the suite (e.g. envs.suite_pyfunc.split(envs.suite_pyfunc.generate(), "test")).
+    tasks: the suite (e.g. suite_pyfunc.split(suite_pyfunc.generate(), "test"), from
+      envs.tasks.suite_pyfunc).
     n: samples per task.
     k_list: the k of pass@k to report; each must be <= n.
     temperature: sampling temperature (0 = greedy; pass@k for k > 1 wants sampling).
     max_tokens: tokens per completion (per turn in agent mode).
     seed: base seed; each task's seed is task_seed(seed, task_id).
-    pool: an envs.pool.WarmPool for grading (the caller owns it).
+    pool: an envs.sandbox.pool.WarmPool for grading (the caller owns it).
     out_path: where to write the per-task JSONL (and `<stem>.summary.json`); None writes nothing.
     tokenizer: the model's tokenizer (default: the byte tokenizer of the tiny models).
     add_bos: prepend BOS to prompts (how the project's models are pre-trained).

@@ -13,9 +13,9 @@ import sys
 
 import pytest
 
-from envs import pool as pool_lib
-from envs import suite_pyfunc
-from envs import testing
+from envs.harness import scripted_sampler
+from envs.sandbox import pool as pool_lib
+from envs.tasks import suite_pyfunc
 from evaluation import evaluate as evaluate_lib
 from moe import tokenizer as tokenizer_lib
 from rollout import testing as rollout_testing
@@ -36,8 +36,9 @@ def heldout():
 
 
 def _by_prompt(bodies_of):
-  """A generate callable answering each task's prompt with envs.testing's scripted sampler."""
-  gens = {prompt: testing.scripted_generate(bodies) for prompt, bodies in bodies_of.items()}
+  """A generate callable answering each task's prompt with envs.harness.scripted_sampler."""
+  gens = {prompt: scripted_sampler.scripted_generate(bodies)
+          for prompt, bodies in bodies_of.items()}
 
   def generate(prompt_token_ids, **kw):
     assert prompt_token_ids[0] == TOK.bos_id  # add_bos, as the models are pre-trained

@@ -1,7 +1,7 @@
 """Where completions come from: a model, a running engine, a checkpoint, or a generate callable.
 
 Every source becomes the sampler callable the environments harness takes
-(`envs.inprocess_policy`):
+(`envs.harness.inprocess_policy`):
 
     generate(prompt_token_ids, *, n, max_tokens, temperature, stop_token_ids, seed) -> completions
 

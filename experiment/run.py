@@ -18,8 +18,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from envs import pool as pool_lib
-from envs import suite_pyfunc
+from envs.sandbox import pool as pool_lib
+from envs.tasks import suite_pyfunc
 from evaluation import evaluate as evaluate_lib
 from experiment import reporting
 from experiment import splits
@@ -118,11 +118,11 @@ def make_rl_learner(cfg: ExperimentConfig, model, mesh) -> Learner:
 def eval_split(cfg: ExperimentConfig, tasks: Optional[Sequence] = None):
   """(all tasks, RL train tasks, evaluated tasks, their split's name).
 
-  `tasks`: the single-turn tasks to use (default: the built-in suite, envs.suite_pyfunc), their
-  `split` saying which are train and which held out. Normally the evaluated tasks are the
-  held-out split. With cfg.validation_fraction > 0 they are a validation split carved from the
-  train tasks (relabelled in `all tasks`, so the pre-training corpus leaves them out as it leaves
-  out held-out tasks) and the held-out split is not used.
+  `tasks`: the single-turn tasks to use (default: the built-in suite, envs.tasks.suite_pyfunc),
+  their `split` saying which are train and which held out. Normally the evaluated tasks are the
+  held-out split. With cfg.validation_fraction > 0 they are a validation split carved from the train
+  tasks (relabelled in `all tasks`, so the pre-training corpus leaves them out as it leaves out
+  held-out tasks) and the held-out split is not used.
   """
   all_tasks = suite_pyfunc.generate() if tasks is None else list(tasks)
   if cfg.validation_fraction > 0:

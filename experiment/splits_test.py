@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from envs import suite_pyfunc
+from envs.tasks import suite_pyfunc
 from experiment import splits
 
 

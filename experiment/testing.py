@@ -23,7 +23,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
-from envs import tasks as tasks_lib
+from envs.tasks import task_format
 from experiment.config import ExperimentConfig
 from moe import checkpoint as moe_checkpoint
 from rl import objectives
@@ -187,16 +187,16 @@ def test_char_{i}():
 """
 
 
-def even_code_tasks(n_train: int = 6, n_test: int = 3) -> list[tasks_lib.Task]:
+def even_code_tasks(n_train: int = 6, n_test: int = 3) -> list[task_format.Task]:
   """Single-turn tasks whose reward is the share of the body's first characters of even code.
 
-  Task i asks for a function body whose first EVEN_CODE_CHARS characters have even code points
-  (four spaces of indentation do, so `solution` is ordinary Python). The hidden test file has
-  one test per character and grading is "fraction", so the reward takes five values and a group
-  of attempts by a near-random model rarely gets one value for all. Built through the task
-  format's validation (envs.tasks.from_dict) and graded like every task: the hidden tests run in
-  a sandbox on the final solution.py. The first n_train tasks are split "train", the next n_test
-  "test" (held out).
+  Task i asks for a function body whose first EVEN_CODE_CHARS characters have even code points (four
+  spaces of indentation do, so `solution` is ordinary Python). The hidden test file has one test per
+  character and grading is "fraction", so the reward takes five values and a group of attempts by a
+  near-random model rarely gets one value for all. Built through the task format's validation
+  (envs.tasks.task_format.from_dict) and graded like every task: the hidden tests run in a sandbox
+  on the final solution.py. The first n_train tasks are split "train", the next n_test "test" (held
+  out).
   """
   out = []
   for i in range(n_train + n_test):
@@ -205,7 +205,7 @@ def even_code_tasks(n_train: int = 6, n_test: int = 3) -> list[tasks_lib.Task]:
     prompt = f"# {EVEN_CODE_CHARS} even chars\ndef {name}():\n"  # short: episodes fit 64 tokens
     test = _EVEN_CODE_TEST.format(prompt=prompt) + "".join(
         _EVEN_CODE_CASE.format(i=c) for c in range(EVEN_CODE_CHARS))
-    out.append(tasks_lib.from_dict({
+    out.append(task_format.from_dict({
         "task_id": f"even-code-{i}", "instructions": f"Write {name}: {desc}.",
         "files": {"solution.py": prompt + "    raise NotImplementedError\n"},
         "hidden_tests": {"test_hidden.py": test}, "hidden_test_ids": ["test_hidden.py"],

@@ -10,9 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from envs import pool as pool_lib
 from envs import reward
-from envs import single_turn
+from envs.harness import single_turn
+from envs.sandbox import pool as pool_lib
 from experiment import testing
 from experiment.config import ExperimentConfig, PretrainConfig, RLConfig
 from moe import build

@@ -24,8 +24,8 @@ import time
 from typing import Callable, Optional, Sequence
 
 from envs import reward as reward_lib
-from envs import single_turn
-from envs import tasks as tasks_lib
+from envs.harness import single_turn
+from envs.tasks import task_format
 from moe.tokenizer import ByteTokenizer
 from pipeline import episodes as episodes_lib
 from pipeline import grade_cache as grade_cache_lib
@@ -70,7 +70,7 @@ class RolloutController:
       envs.reward.grade (tests inject failures through it).
   """
 
-  def __init__(self, tasks: Sequence[tasks_lib.Task], samplers, pool, sink: Callable, *,
+  def __init__(self, tasks: Sequence[task_format.Task], samplers, pool, sink: Callable, *,
                config: PipelineConfig, reward_config=reward_lib.RewardConfig(),
                on_group: Optional[Callable[[GroupResult], None]] = None,
                grade_fn: Optional[Callable] = None, tokenizer=None):
@@ -108,7 +108,7 @@ class RolloutController:
       yield from order
 
   # -- one group -----------------------------------------------------------------------------
-  def _launch(self, index: int, task: tasks_lib.Task, start_version: int) -> None:
+  def _launch(self, index: int, task: task_format.Task, start_version: int) -> None:
     cfg = self.cfg
     prompt_ids = [self.tok.bos_id] + self.tok.encode(task.prompt)
     params = SamplingParams(n=cfg.attempts, max_tokens=cfg.max_new_tokens,

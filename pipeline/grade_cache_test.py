@@ -5,9 +5,9 @@ import threading
 
 import pytest
 
-from envs import pool as pool_lib
 from envs import reward as reward_lib
-from envs import suite_pyfunc
+from envs.sandbox import pool as pool_lib
+from envs.tasks import suite_pyfunc
 from pipeline import controller
 from pipeline import testing
 from pipeline.grade_cache import GradeCache

@@ -122,7 +122,7 @@ def run(*, learner, tasks: Sequence, pool, workdir: str, config: PipelineConfig,
 
   Args:
     learner: an rl.learner.Learner with objective "policy" (its policy is the starting policy).
-    tasks: single-turn tasks (envs.tasks.Task with a prompt).
+    tasks: single-turn tasks (envs.tasks.task_format.Task with a prompt).
     pool: envs WarmPool for grading.
     workdir: trajectories, weights and checkpoints go under it.
     config: PipelineConfig.

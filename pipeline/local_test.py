@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from envs import pool as pool_lib
 from envs import reward as reward_lib
+from envs.sandbox import pool as pool_lib
 from pipeline import local
 from pipeline import testing
 from rl import checkpointing

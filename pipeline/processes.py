@@ -146,8 +146,8 @@ def _model_config_of(store, version: int) -> ModelConfig:
 def run_controller(workdir: str, sampler_urls: Sequence[str], config: PipelineConfig, *,
                    steps: int, pool_size: int = 8, num_tasks: Optional[int] = None) -> int:
   """Produces the groups of `steps` learner steps through the samplers; returns groups written."""
-  from envs import pool as pool_lib  # pylint: disable=g-import-not-at-top
-  from envs import suite_pyfunc  # pylint: disable=g-import-not-at-top
+  from envs.sandbox import pool as pool_lib  # pylint: disable=g-import-not-at-top
+  from envs.tasks import suite_pyfunc  # pylint: disable=g-import-not-at-top
   from pipeline import controller as controller_lib  # pylint: disable=g-import-not-at-top
   from pipeline import samplers as samplers_lib  # pylint: disable=g-import-not-at-top
   from pipeline.local import group_sink  # pylint: disable=g-import-not-at-top

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from envs import pool as pool_lib
+from envs.sandbox import pool as pool_lib
 from moe import build
 from moe import params as moe_params
 from moe.tokenizer import ByteTokenizer

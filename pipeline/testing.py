@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from envs import suite_pyfunc
+from envs.tasks import suite_pyfunc
 from moe import sharding
 from moe.config import ModelConfig
 from pipeline.config import PipelineConfig

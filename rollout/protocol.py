@@ -17,7 +17,7 @@ from typing import Any, Optional
 from rollout.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 MAX_N = 128
-MAX_STOP_STRINGS = 16  # OpenAI allows 4; the coding environments send 5 (envs.single_turn.STOP)
+MAX_STOP_STRINGS = 16  # OpenAI allows 4; the coding environments send 5 (envs.harness.single_turn.STOP)
 
 # Fields the OpenAI client may send that we accept (with their meaning below) and our extras.
 _OPENAI_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream",

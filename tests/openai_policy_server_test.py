@@ -1,4 +1,4 @@
-"""`envs.openai_policy` against the real sampling server (`rollout.server`) on a free port.
+"""`envs.harness.openai_policy` against the real sampling server (`rollout.server`) on a free port.
 
 Why here and not in envs/: envs is below rollout (no envs library imports rollout), so the test
 that joins the two lives in the cross-package test package.
@@ -18,10 +18,10 @@ import threading
 import numpy as np
 import pytest
 
-from envs import openai_policy
-from envs import pool as pool_lib
-from envs import single_turn
-from envs import suite_pyfunc
+from envs.harness import openai_policy
+from envs.harness import single_turn
+from envs.sandbox import pool as pool_lib
+from envs.tasks import suite_pyfunc
 from moe import params as moe_params
 from rollout import server as server_lib
 from rollout import testing

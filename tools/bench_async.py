@@ -343,8 +343,8 @@ def main(argv=None) -> int:
   import logging  # pylint: disable=g-import-not-at-top
   logging.basicConfig(level=logging.WARNING)
   import jax  # pylint: disable=g-import-not-at-top
-  from envs import pool as pool_lib  # pylint: disable=g-import-not-at-top
-  from envs import suite_pyfunc  # pylint: disable=g-import-not-at-top
+  from envs.sandbox import pool as pool_lib  # pylint: disable=g-import-not-at-top
+  from envs.tasks import suite_pyfunc  # pylint: disable=g-import-not-at-top
   from moe import checkpoint as moe_checkpoint  # pylint: disable=g-import-not-at-top
 
   work = tempfile.mkdtemp(prefix="bench_async-")

@@ -39,11 +39,11 @@ import sys
 import tempfile
 import time
 
-from envs import fleet
-from envs import hostcheck
-from envs import pool as pool_lib
 from envs import sandbox
-from envs import slot as slot_lib
+from envs.sandbox import fleet
+from envs.sandbox import hostcheck
+from envs.sandbox import pool as pool_lib
+from envs.sandbox import slot as slot_lib
 
 
 # The baselines run the same interpreter the sandboxes run (not a pyenv shim on PATH, which

@@ -19,10 +19,10 @@ from typing import Optional, Sequence
 
 import gin
 
-from envs import pool as pool_lib
-from envs import suite_pyfunc
-from envs import suite_swe
-from envs import tasks as tasks_lib
+from envs.sandbox import pool as pool_lib
+from envs.tasks import suite_pyfunc
+from envs.tasks import suite_swe
+from envs.tasks import task_format
 from evaluation import evaluate as evaluate_lib
 from tools import configs
 from tools import gin_cli
@@ -31,7 +31,7 @@ SUITES = ("pyfunc", "swe", "file")
 
 
 def load_suite(suite: str, split: Optional[str], task_file: Optional[str],
-               limit: Optional[int]) -> list[tasks_lib.Task]:
+               limit: Optional[int]) -> list[task_format.Task]:
   """The tasks of `suite` ("pyfunc", "swe" or "file" = task_file), filtered by split."""
   if suite == "pyfunc":
     tasks = suite_pyfunc.generate()
@@ -40,7 +40,7 @@ def load_suite(suite: str, split: Optional[str], task_file: Optional[str],
   elif suite == "file":
     if not task_file:
       raise gin_cli.CliError("--suite=file needs --task_file=PATH (JSONL or task directories)")
-    loaded = tasks_lib.load_tasks(gin_cli.resolve_path(task_file))
+    loaded = task_format.load_tasks(gin_cli.resolve_path(task_file))
     for r in loaded.rejected:
       print(f"rejected task {r.task_id or r.source}: {'; '.join(r.reasons)}", file=sys.stderr)
     tasks = loaded.tasks

@@ -1,0 +1,205 @@
+"""The multi-turn agent loop: model text -> tool calls -> observations, until submit or a limit.
+
+The context is kept as token ids: harness text is tokenized once and the model's own tokens are
+appended exactly as sampled, so the trajectory holds precisely the tokens the sampler saw, with
+no re-tokenization drift. Limits: turns, generated tokens, wall time (task limits unless the
+config overrides them), plus the context window, handled by self-summarisation: when the next
+turn might not fit, the model is asked to summarise its progress, and the episode continues in a
+fresh context (system prompt, instructions and the summary). Each context is one `Segment`.
+
+Failures of the fleet (the sandbox breaks, the sampler errors) end the episode with status
+"infra_error" and reward None. Malformed tool calls are the model's: they get an error
+observation and the episode goes on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from envs import hacks
+from envs import reward as reward_lib
+from envs import sandbox as sandbox_lib
+from envs.harness import agent_tools
+from envs.harness import policy as policy_lib
+from envs.harness import toolcall
+from envs.harness import trajectory as traj_lib
+from envs.sandbox import pool as pool_lib
+from envs.sandbox import slot as slot_lib
+from envs.tasks import task_format
+
+SUMMARY_REQUEST = (
+    "The context is full. Summarise your progress so far for yourself: what the task is, what "
+    "you found, what you changed, and what is left. Do not call tools.")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+  """Agent loop settings; None means "take it from the task's limits"."""
+  max_turns: int | None = None
+  max_total_tokens: int | None = None
+  wall_s: float | None = None
+  max_tokens_per_turn: int = 1024
+  max_context_tokens: int = 8192
+  max_calls_per_turn: int = 4
+  summary_max_tokens: int = 512
+  max_summaries: int = 3
+  temperature: float = 1.0
+  seed: int | None = None
+  observation_max_chars: int = 4000
+  reward: reward_lib.RewardConfig = reward_lib.RewardConfig()
+
+
+class _Budget(Exception):
+  def __init__(self, reason):
+    super().__init__(reason)
+    self.reason = reason
+
+
+def run_episode(task: task_format.Task, policy: policy_lib.Policy, *, pool: pool_lib.WarmPool,
+                config: LoopConfig = LoopConfig()) -> traj_lib.Trajectory:
+  """Runs one episode of `task` with `policy`; always returns a Trajectory."""
+  t0 = time.monotonic()
+  timings = {"sandbox_start_s": 0.0, "generate_s": 0.0, "tools_s": 0.0, "grade_s": 0.0}
+  max_turns = config.max_turns or task.limits.max_turns
+  max_total = config.max_total_tokens or task.limits.max_tokens
+  wall_s = config.wall_s or task.limits.wall_s
+  segments = [traj_lib.Segment()]
+  records: list[traj_lib.ToolCallRecord] = []
+  state = {"generated": 0, "turns": 0, "malformed": 0, "summaries": 0}
+  initial = policy.encode(toolcall.initial_prompt(task.instructions))
+
+  def fail(reason: str, finish: str = "error") -> traj_lib.Trajectory:
+    timings["total_s"] = time.monotonic() - t0
+    return traj_lib.Trajectory(
+        task_id=task.task_id, segments=segments, tool_calls=records, status=traj_lib.INFRA,
+        reward=None, test_reward=None, hack_flags={}, finish_reason=finish,
+        num_turns=state["turns"], timings=timings, infra_error=reason,
+        malformed_calls=state["malformed"])
+
+  def generate(seg, max_tokens, stop):
+    left = max_total - state["generated"]
+    if left <= 0:
+      raise _Budget("max_tokens")
+    if time.monotonic() - t0 > wall_s:
+      raise _Budget("wall_time")
+    t = time.monotonic()
+    seed = None if config.seed is None else config.seed + state["generated"]
+    comp = policy.complete(seg.token_ids, max_tokens=min(max_tokens, left), stop=stop,
+                           temperature=config.temperature, seed=seed)[0]
+    timings["generate_s"] += time.monotonic() - t
+    state["generated"] += len(comp.token_ids)
+    seg.add_completion(comp)
+    return comp
+
+  def close_turn(seg, comp):
+    """Template tokens that end the assistant turn when the model stopped at </tool_call>."""
+    if comp.stop_appended:
+      seg.add_text_tokens(policy.encode(comp.stop_appended))
+      comp.text += comp.stop_appended
+    if not comp.text.rstrip().endswith(toolcall.IM_END):
+      seg.add_text_tokens(policy.encode(toolcall.IM_END + "\n"))
+
+  summary_prompt = policy.encode(toolcall.render_message("user", SUMMARY_REQUEST) +
+                                 f"{toolcall.IM_START}assistant\n")
+  # Room kept free in every context so the summary request and the summary always fit.
+  reserve = len(summary_prompt) + config.summary_max_tokens + 8
+
+  def observation_tokens(seg, observations):
+    """Observations as tokens, clipped so the context keeps room for the summary."""
+    room = config.max_context_tokens - reserve - len(seg)
+    ids = policy.encode(toolcall.render_responses(observations))
+    limit = max(len(o) for o in observations)
+    while len(ids) > room and limit > 64:
+      limit //= 2
+      clipped = [o if len(o) <= limit else o[:limit] + "\n...[clipped to fit the context]"
+                 for o in observations]
+      ids = policy.encode(toolcall.render_responses(clipped))
+    return ids
+
+  t = time.monotonic()
+  try:
+    sb = sandbox_lib.Sandbox(task.files, pool=pool)
+  except (slot_lib.SlotError, OSError) as e:
+    return fail(f"sandbox did not start: {e}")
+  timings["sandbox_start_s"] = time.monotonic() - t
+  box = agent_tools.ToolBox(sb, task, observation_max_chars=config.observation_max_chars)
+  segments[0].add_text_tokens(initial)
+  finish = "max_turns"
+  try:
+    while state["turns"] < max_turns:
+      seg = segments[-1]
+      if len(seg) + config.max_tokens_per_turn + reserve > config.max_context_tokens:
+        if state["summaries"] >= config.max_summaries:
+          finish = "context"
+          break
+        seg.add_text_tokens(summary_prompt)
+        comp = generate(seg, config.summary_max_tokens, (toolcall.IM_END,))
+        close_turn(seg, comp)
+        seg.ended_by_summary = True
+        state["summaries"] += 1
+        summary = comp.text.replace(toolcall.IM_END, "").strip()
+        fresh = traj_lib.Segment()
+        fresh.add_text_tokens(policy.encode(toolcall.initial_prompt(
+            f"{task.instructions}\n\nSummary of your progress so far:\n{summary}")))
+        segments.append(fresh)
+        continue
+      comp = generate(seg, config.max_tokens_per_turn, toolcall.STOP)
+      state["turns"] += 1
+      close_turn(seg, comp)
+      parsed = toolcall.parse(comp.text)
+      observations = []
+      if not parsed.order:
+        state["malformed"] += 1
+        observations.append(
+            "error: no tool call found. Call a tool like <tool_call>\n{\"name\": \"run_tests\", "
+            "\"arguments\": {}}\n</tool_call>, or call submit when done.")
+      for kind, i in parsed.order[:config.max_calls_per_turn]:
+        if kind == "error":
+          state["malformed"] += 1
+          observations.append("error: " + parsed.errors[i])
+          continue
+        call = parsed.calls[i]
+        t = time.monotonic()
+        obs, ok = box.call(call.name, call.arguments)
+        dt = time.monotonic() - t
+        timings["tools_s"] += dt
+        records.append(traj_lib.ToolCallRecord(state["turns"], call.name, call.arguments, ok,
+                                               obs[:1000], dt))
+        observations.append(obs)
+        if box.submitted:
+          break
+      if box.submitted:
+        finish = "submitted"
+        break
+      seg.add_text_tokens(observation_tokens(seg, observations))
+    final_files, _ = sb.slot.read_files()
+  except _Budget as b:
+    finish = b.reason
+    try:
+      final_files, _ = sb.slot.read_files()
+    except (slot_lib.SlotError, ValueError) as e:
+      sb.close()
+      return fail(f"could not read final files: {e}")
+  except agent_tools.InfraFailure as e:
+    sb.close()
+    return fail(f"sandbox failed: {e}")
+  except policy_lib.PolicyError as e:
+    sb.close()
+    return fail(f"policy failed: {e}")
+  except (slot_lib.SlotError, ValueError) as e:
+    sb.close()
+    return fail(f"sandbox failed: {e}")
+  sb.close()
+  flags = hacks.detect(task, final_files, commands=box.commands, read_paths=box.read_paths,
+                       events=box.events)
+  t = time.monotonic()
+  grade = reward_lib.grade(task, final_files, pool=pool, config=config.reward, hack_flags=flags)
+  timings["grade_s"] = time.monotonic() - t
+  timings["total_s"] = time.monotonic() - t0
+  return traj_lib.Trajectory(
+      task_id=task.task_id, segments=segments, tool_calls=records, status=grade.status,
+      reward=grade.reward, test_reward=grade.test_reward, hack_flags=grade.hack_flags,
+      finish_reason=finish, num_turns=state["turns"], timings=timings,
+      infra_error=grade.detail if grade.status != reward_lib.OK else None,
+      malformed_calls=state["malformed"], test_outcomes=grade.outcomes, final_files=final_files)

@@ -1,0 +1,72 @@
+"""Tests for InProcessPolicy and single-turn episodes, over a scripted `generate` callable."""
+
+import sys
+
+import numpy as np
+import pytest
+
+from envs import metrics
+from envs.harness import inprocess_policy
+from envs.harness import policy as policy_lib
+from envs.harness import scripted_sampler
+from envs.harness import single_turn
+from envs.sandbox import pool as pool_lib
+from envs.tasks import suite_pyfunc
+from moe import tokenizer as tokenizer_lib
+
+TOK = tokenizer_lib.ByteTokenizer()
+
+
+def test_adapter_cuts_at_stop_strings_and_eos():
+  gen = scripted_sampler.scripted_generate(["abc</tool_call>tail", "xyz"])
+  pol = inprocess_policy.InProcessPolicy(gen, TOK, add_bos=True)
+  a, b = pol.complete(TOK.encode("hi"), max_tokens=50, stop=["</tool_call>"], n=2)
+  assert gen.calls[0]["prompt"][0] == TOK.bos_id
+  assert gen.calls[0]["stop_token_ids"] == [TOK.eos_id]
+  assert a.text == "abc</tool_call>" and a.finish_reason == "stop"
+  assert len(a.logprobs) == len(a.token_ids) == a.routing.shape[1] == len(a.policy_versions)
+  assert a.policy_versions == [3] * len(a.token_ids)
+  assert b.token_ids[-1] == TOK.eos_id and b.text == "xyz"
+  c = pol.complete(TOK.encode("hi"), max_tokens=2, n=1)[0]
+  assert c.finish_reason == "length" and len(c.token_ids) == 2
+
+
+def test_truncate_at_stop_multibyte():
+  ids = TOK.encode("héllo STOP after")
+  cut, hit = policy_lib.truncate_at_stop(ids, TOK.decode, ["STOP"])
+  assert hit == "STOP" and TOK.decode(ids[:cut]) == "héllo STOP"
+
+
+@pytest.fixture(scope="module")
+def pool():
+  with pool_lib.WarmPool(size=2) as p:
+    yield p
+
+
+def test_single_turn_group_rewards(pool):
+  task = next(t for t in suite_pyfunc.generate() if t.entry_point == "reverse")
+  bodies = ["    return s[::-1]\n", "    return s\n", "    return ''.join(reversed(s))\n",
+            "    return s[::-1]\n\ndef extra():\n    pass\n", "    retur (\n"]
+  pol = inprocess_policy.InProcessPolicy(scripted_sampler.scripted_generate(bodies), TOK,
+                                         add_bos=True)
+  trs = single_turn.run_single_turn(task, pol, pool=pool, n=5, seed=1)
+  assert [t.reward for t in trs] == [1.0, 0.0, 1.0, 1.0, 0.0]
+  seg = trs[0].segments[0]
+  assert TOK.decode([t for t, m in zip(seg.token_ids, seg.model_mask) if not m]) == task.prompt
+  assert seg.routing.shape[0] == 2 and seg.routing.shape[2] == 2
+  assert trs[3].final_files["solution.py"] == task.prompt + "    return s[::-1]\n"
+  m = metrics.summarize(trs)
+  assert m["solved_rate"] == 0.6 and m["infra_failures"] == 0
+
+
+def test_generate_raising_is_infra_failure(pool):
+  def broken(*a, **k):
+    raise RuntimeError("device lost")
+  task = suite_pyfunc.generate()[0]
+  pol = inprocess_policy.InProcessPolicy(broken, TOK)
+  trs = single_turn.run_single_turn(task, pol, pool=pool, n=2)
+  assert [t.status for t in trs] == ["infra_error"] * 2 and trs[0].reward is None
+
+
+if __name__ == "__main__":
+  sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))

@@ -1,0 +1,73 @@
+"""Single-turn episodes: the model writes a function body, hidden tests give the reward.
+
+This is the mode the tiny demo model is trained in (see suite_pyfunc): the prompt is the
+task's instructions as a comment plus the function signature, the model continues with the body
+and stops at EOS, a blank line or a new top-level statement, and the file `solution.py` =
+prompt + completion is graded in a fresh sandbox. `n` samples per prompt make a GRPO group.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+from envs import reward as reward_lib
+from envs.harness import policy as policy_lib
+from envs.harness import trajectory as traj_lib
+from envs.sandbox import pool as pool_lib
+from envs.tasks import task_format
+
+STOP = ("\n\n", "\ndef ", "\nclass ", "\n#", "\nif __name__")
+
+
+def solution_file(task: task_format.Task, completion_text: str) -> str:
+  body = completion_text
+  for s in STOP:
+    i = body.find(s)
+    if i >= 0:
+      body = body[:i + 1]
+  return task.prompt + body
+
+
+def run_single_turn(task: task_format.Task, policy: policy_lib.Policy, *,
+                    pool: pool_lib.WarmPool, n: int = 1, max_tokens: int = 96,
+                    temperature: float = 1.0, seed: int | None = None,
+                    reward_config: reward_lib.RewardConfig = reward_lib.RewardConfig(),
+                    grade_threads: int = 4) -> list[traj_lib.Trajectory]:
+  """Samples `n` completions of `task.prompt` and grades each; one Trajectory per sample."""
+  if not task.prompt:
+    raise ValueError(f"task {task.task_id} has no single-turn prompt")
+  t0 = time.monotonic()
+  prompt_ids = policy.encode(task.prompt)
+  try:
+    comps = policy.complete(prompt_ids, max_tokens=max_tokens, stop=STOP,
+                            temperature=temperature, seed=seed, n=n)
+  except policy_lib.PolicyError as e:
+    seg = traj_lib.Segment()
+    seg.add_text_tokens(prompt_ids)
+    return [traj_lib.Trajectory(
+        task_id=task.task_id, segments=[seg], tool_calls=[], status=traj_lib.INFRA,
+        reward=None, test_reward=None, hack_flags={}, finish_reason="error", num_turns=0,
+        timings={"total_s": time.monotonic() - t0}, infra_error=f"policy failed: {e}")
+            for _ in range(n)]
+  gen_s = time.monotonic() - t0
+
+  def grade_one(comp: policy_lib.Completion) -> traj_lib.Trajectory:
+    t = time.monotonic()
+    files = dict(task.files)
+    files["solution.py"] = solution_file(task, comp.text)
+    g = reward_lib.grade(task, files, pool=pool, config=reward_config)
+    seg = traj_lib.Segment()
+    seg.add_text_tokens(prompt_ids)
+    seg.add_completion(comp)
+    return traj_lib.Trajectory(
+        task_id=task.task_id, segments=[seg], tool_calls=[], status=g.status, reward=g.reward,
+        test_reward=g.test_reward, hack_flags=g.hack_flags, finish_reason="single_turn",
+        num_turns=1, timings={"generate_s": gen_s, "grade_s": time.monotonic() - t,
+                              "total_s": time.monotonic() - t0},
+        infra_error=g.detail if g.status != reward_lib.OK else None,
+        test_outcomes=g.outcomes, final_files={"solution.py": files["solution.py"]},
+        completion_text=comp.text)
+
+  with concurrent.futures.ThreadPoolExecutor(max(1, min(grade_threads, n))) as ex:
+    return list(ex.map(grade_one, comps))

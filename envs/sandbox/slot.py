@@ -1,0 +1,474 @@
+"""One pre-started sandbox: a bubblewrap container running the zygote, with a private directory.
+
+A slot is started ahead of demand (by `pool`), used by exactly one episode, then destroyed:
+killing the outer bwrap process takes down the zygote, which is PID 1 of the sandbox's PID
+namespace, and with it every process inside. Single use is what guarantees that an episode never
+sees another episode's files or processes.
+
+Machine state: a fresh slot's workspace is an empty host directory bind-mounted at /workspace. The
+task snapshot is materialized into it by `populate` as plain file copies from the snapshot held
+in memory (a few hundred microseconds for a small repository). Not hardlinks: a hardlink farm
+shares inodes, so one in-place write would corrupt the snapshot for every later episode. Not
+overlayfs: bwrap can only set an overlay up at start, which would tie warm slots to one snapshot.
+After sandboxed code has run, the host never touches the workspace directly (a planted symlink
+would redirect a root-owned write or read to a host path); later reads and writes go through the
+zygote, inside the sandbox's view.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import select
+import shutil
+import signal
+import struct
+import subprocess
+import threading
+import time
+
+from envs.sandbox import hostcheck
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_IDS = itertools.count()
+_IN_SANDBOX = ("zygote.py", "command_process.py", "audit_hook.py", "testrunner.py")
+_DEFAULT_MEMORY_MB = 512
+_DEFAULT_NPROC = 64
+# Extra memory for the zygote itself and tmpfs metadata on top of what the command may use.
+_ZYGOTE_MB = 48
+
+
+def prepare_opt(features: hostcheck.HostFeatures, root: str) -> str:
+  """Copies the in-sandbox programs to root/opt (mounted read-only at /opt/envs) and compiles them.
+
+  A copy because the source tree may sit under a directory the sandbox uid cannot traverse
+  (Bazel's runfiles live under /root); compiled once with the sandbox's python so no sandbox
+  start pays for compiling them (~10 ms). Also root/opt_site/sitecustomize.py (the audit hook for
+  pythons that sandboxed code starts).
+  """
+  opt = os.path.join(root, "opt")
+  site = os.path.join(root, "opt_site")
+  for d in (opt, site):
+    os.makedirs(d, exist_ok=True)
+    os.chmod(d, 0o755)
+  for name in _IN_SANDBOX:
+    shutil.copyfile(os.path.join(_HERE, name), os.path.join(opt, name))
+    os.chmod(os.path.join(opt, name), 0o644)
+  shutil.copyfile(os.path.join(_HERE, "audit_hook.py"), os.path.join(site, "sitecustomize.py"))
+  os.chmod(os.path.join(site, "sitecustomize.py"), 0o644)
+  if features.python:
+    subprocess.run([features.python, "-m", "compileall", "-q", opt], capture_output=True,
+                   check=False)
+    cache = os.path.join(opt, "__pycache__")
+    if os.path.isdir(cache):
+      os.chmod(cache, 0o755)
+      for name in os.listdir(cache):
+        os.chmod(os.path.join(cache, name), 0o644)
+  return opt
+
+
+class SlotError(RuntimeError):
+  """The sandbox itself failed (infrastructure), not the code in it."""
+
+
+@dataclasses.dataclass
+class Result:
+  """What a command did in a sandbox.
+
+  exit_code: the exit status, or -N when killed by signal N (as `subprocess`).
+  violations: what the sandbox blocked or detected, one "kind: detail" string each.
+  isolation: how the sandbox was isolated; starts with "DEGRADED" when namespaces were missing.
+  infra_error: set when the sandbox failed rather than the code; then exit_code is meaningless.
+  events: raw audit events (network, writes outside the workspace, signals).
+  """
+  exit_code: int
+  stdout: str
+  stderr: str
+  timed_out: bool
+  violations: list[str]
+  wall_s: float = 0.0
+  isolation: str = ""
+  infra_error: str | None = None
+  events: list[dict] = dataclasses.field(default_factory=list)
+
+  @property
+  def ok(self) -> bool:
+    return self.infra_error is None and self.exit_code == 0 and not self.timed_out
+
+
+def _cgroup_write(path: str, value: str) -> None:
+  with open(path, "w") as f:
+    f.write(value)
+
+
+class Slot:
+  """A started sandbox. Not thread-safe for concurrent requests; one episode owns it."""
+
+  def __init__(self, root: str, features: hostcheck.HostFeatures, *, degraded: bool = False,
+               opt_dir: str | None = None):
+    self.id = next(_IDS)
+    self.opt_dir = opt_dir or prepare_opt(features, root)
+    self.features = features
+    self.degraded = degraded
+    self.dir = os.path.join(root, f"slot-{self.id}")
+    self.workspace = os.path.join(self.dir, "ws")
+    os.makedirs(self.workspace)
+    self.uid = hostcheck.SANDBOX_UID if features.is_root else os.geteuid()
+    if features.is_root:
+      os.chown(self.workspace, self.uid, self.uid)
+      os.chown(self.dir, self.uid, self.uid)
+    self.cgroups = {}
+    for ctl, parent in (("memory", features.cgroup_memory), ("pids", features.cgroup_pids)):
+      if parent and not degraded:
+        path = os.path.join(parent, f"envs-{os.getpid()}-slot-{self.id}")
+        try:
+          os.mkdir(path)
+          self.cgroups[ctl] = path
+        except OSError:
+          pass
+    self.isolation = (features.describe() if not degraded else
+                      hostcheck.HostFeatures(**{**dataclasses.asdict(features),
+                                                "namespaces": False}).describe())
+    self.used = False
+    self.closed = False
+    self._lock = threading.Lock()
+    self._limits: dict[str, str] = {}  # cgroup file -> the value last written there
+    # Cgroup limit-hit counters as of the end of the last command: the next command's baseline.
+    # None when a request since may have moved them (then they are read again).
+    self._counts: dict[str, int] | None = None
+    self.started_at = time.monotonic()
+    self.proc = subprocess.Popen(
+        self._argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, cwd=self.dir,
+        preexec_fn=self._preexec, close_fds=True)
+    self._w = self.proc.stdin.fileno()
+    self._r = self.proc.stdout.fileno()
+    self.zygote_pid = None
+    self.runner_path = (os.path.join(self.opt_dir, "testrunner.py") if degraded else
+                        "/opt/envs/testrunner.py")
+
+  # -- start -----------------------------------------------------------------------------------
+
+  def _argv(self) -> list[str]:
+    if self.degraded:
+      # No namespaces: the zygote runs on the host, confined to rlimits, uid and pgid kills.
+      return [self.features.python or "python3", "-s", "-B",
+              os.path.join(self.opt_dir, "zygote.py"), f"--workspace={self.workspace}"]
+    argv = [self.features.bwrap, "--unshare-user", "--unshare-all", "--die-with-parent",
+            "--as-pid-1", "--disable-userns", "--new-session", "--hostname", "sandbox",
+            "--ro-bind", "/usr", "/usr", "--symlink", "usr/lib", "/lib", "--symlink",
+            "usr/lib64", "/lib64", "--symlink", "usr/bin", "/bin", "--symlink", "usr/sbin",
+            "/sbin", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
+            "--bind", self.workspace, "/workspace",
+            "--ro-bind", self.opt_dir, "/opt/envs",
+            "--ro-bind", os.path.join(os.path.dirname(self.opt_dir), "opt_site"),
+            "/opt/envs_site"]
+    argv += ["--remount-ro", "/", "--chdir", "/workspace", self.features.python, "-s", "-B",
+             "/opt/envs/zygote.py", "--ns"]
+    return argv
+
+  def _preexec(self) -> None:
+    # Runs in the forked child before exec: only raw os calls (no locks) are safe here.
+    pid = str(os.getpid()).encode()
+    for path in self.cgroups.values():
+      fd = os.open(os.path.join(path, "cgroup.procs"), os.O_WRONLY)
+      os.write(fd, pid)
+      os.close(fd)
+    if self.features.is_root:
+      try:
+        # The zygote should survive an OOM; sandboxed code raises its own score to 1000 anyway.
+        fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
+        try:
+          os.write(fd, b"-1000")
+        finally:
+          os.close(fd)
+      except OSError:
+        pass  # Not permitted in some containers.
+      os.setgroups([])
+      os.setgid(self.uid)
+      os.setuid(self.uid)
+    if self.degraded:
+      os.chdir(self.workspace)
+
+  def wait_ready(self, timeout_s: float = 10.0) -> None:
+    resp = self._recv(timeout_s)
+    self.zygote_pid = resp["pid"]
+    # Set the default limits now, off the critical path: an exec with defaults writes nothing.
+    self._set_limits(_DEFAULT_MEMORY_MB, _DEFAULT_NPROC)
+    self._counts = self._read_counts()
+    self.ready_s = time.monotonic() - self.started_at
+
+  # -- protocol --------------------------------------------------------------------------------
+
+  def _send(self, obj) -> None:
+    body = json.dumps(obj).encode()
+    data = struct.pack(">I", len(body)) + body
+    try:
+      while data:
+        data = data[os.write(self._w, data):]
+    except OSError as e:
+      raise SlotError(f"sandbox {self.id} control pipe closed: {e}") from e
+
+  def _read_exact(self, n: int, deadline: float) -> bytes:
+    chunks = []
+    while n:
+      left = deadline - time.monotonic()
+      if left <= 0:
+        raise SlotError(f"sandbox {self.id} did not answer in time")
+      ready, _, _ = select.select([self._r], [], [], left)
+      if not ready:
+        continue
+      chunk = os.read(self._r, min(n, 1 << 20))
+      if not chunk:
+        raise SlotError(f"sandbox {self.id} exited unexpectedly (rc={self.proc.poll()})")
+      chunks.append(chunk)
+      n -= len(chunk)
+    return b"".join(chunks)
+
+  def _recv(self, timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    (n,) = struct.unpack(">I", self._read_exact(4, deadline))
+    resp = json.loads(self._read_exact(n, deadline))
+    if not resp.get("ok"):
+      raise ValueError(resp.get("error", "sandbox request failed"))
+    return resp
+
+  def request(self, req: dict, timeout_s: float = 30.0) -> dict:
+    """Sends one request to the zygote. Raises SlotError if the sandbox is broken."""
+    if self.closed:
+      raise SlotError(f"sandbox {self.id} is closed")
+    with self._lock:
+      self.used = True
+      self._counts = None
+      self._send(req)
+      try:
+        return self._recv(timeout_s)
+      except SlotError:
+        self.close()
+        raise
+
+  def spare_pid(self, timeout_s: float = 30.0) -> int | None:
+    """The pid of the zygote's waiting command process (the "spare"), or None if it has none.
+
+    The zygote forks the next spare right after answering a request and before reading the
+    next one, so this round trip returns only once the spare that follows the last request
+    exists: a test can look for it without sleeping. The pid is the sandbox's own (its PID
+    namespace's) unless the sandbox is degraded.
+    """
+    return self.request({"op": "ping"}, timeout_s=timeout_s)["spare_pid"]
+
+  # -- files -----------------------------------------------------------------------------------
+
+  def populate(self, files: dict[str, str | bytes]) -> None:
+    """Copies a snapshot into the fresh workspace, host side. Only before any code has run."""
+    if self.used:
+      raise SlotError("populate() is only safe before sandboxed code has run; use write_files")
+    for rel, content in files.items():
+      norm = os.path.normpath(rel)
+      if os.path.isabs(norm) or norm.startswith(".."):
+        raise ValueError(f"file path {rel!r} escapes the workspace")
+      path = os.path.join(self.workspace, norm)
+      parent = os.path.dirname(path)
+      if not os.path.isdir(parent):
+        os.makedirs(parent)
+        if self.features.is_root:
+          d = parent
+          while d != self.workspace:
+            os.chown(d, self.uid, self.uid)
+            d = os.path.dirname(d)
+      data = content.encode() if isinstance(content, str) else content
+      fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+      try:
+        os.write(fd, data)
+        if self.features.is_root:
+          os.fchown(fd, self.uid, self.uid)
+      finally:
+        os.close(fd)
+
+  def write_files(self, files: dict[str, str], delete: tuple[str, ...] = ()) -> None:
+    self.request({"op": "write_files", "files": files, "delete": list(delete)})
+
+  def read_files(self, paths: list[str] | None = None) -> tuple[dict[str, str], dict[str, str]]:
+    """Returns (files, skipped) read inside the sandbox; all regular files when paths is None."""
+    resp = self.request({"op": "read_files", "paths": paths})
+    return resp["files"], resp["skipped"]
+
+  def list_files(self, path: str = ".", limit: int = 1000) -> list[str]:
+    return self.request({"op": "list_files", "path": path, "limit": limit})["paths"]
+
+  # -- exec ------------------------------------------------------------------------------------
+
+  def exec(self, argv: list[str], *, timeout_s: float = 10.0,
+           memory_mb: int = _DEFAULT_MEMORY_MB, cpu_s: float | None = None,
+           nproc: int = _DEFAULT_NPROC, fsize_mb: int = 64,
+           max_output_bytes: int = 1 << 20, env: dict[str, str] | None = None,
+           cwd: str | None = None, stdin: str = "", fast_path: bool = True) -> Result:
+    """Runs argv in the sandbox; the whole process tree is killed when it ends."""
+    self._set_limits(memory_mb, nproc)
+    before = self._counts if self._counts is not None else self._read_counts()
+    req = {"op": "exec", "argv": list(argv), "timeout_s": timeout_s, "memory_mb": memory_mb,
+           "cpu_s": int(cpu_s if cpu_s is not None else max(1, timeout_s) + 1), "nproc": nproc,
+           "fsize_mb": fsize_mb, "max_output_bytes": max_output_bytes, "env": env or {},
+           "cwd": cwd, "stdin": stdin, "fast_path": fast_path}
+    try:
+      resp = self.request(req, timeout_s=timeout_s + 10.0)
+    except SlotError as e:
+      return Result(exit_code=-1, stdout="", stderr="", timed_out=False, violations=[],
+                    isolation=self.isolation, infra_error=str(e))
+    after = self._read_counts()
+    self._counts = after
+    violations = list(resp["violations"])
+    violations += _cgroup_violations(before, after, violations)
+    for ev in resp["events"]:
+      violations.append(f"{ev['kind']}: {ev['detail']}")
+    if self.degraded:
+      violations.append("degraded_isolation: " + self.isolation)
+    return Result(exit_code=resp["exit_code"], stdout=resp["stdout"], stderr=resp["stderr"],
+                  timed_out=resp["timed_out"], violations=violations, wall_s=resp["wall_s"],
+                  isolation=self.isolation, events=resp["events"])
+
+  def _set_limits(self, memory_mb: int, nproc: int) -> None:
+    """Sets the sandbox's cgroup limits for the next command; writes only what changed."""
+    for ctl, name, value in (("memory", "memory.limit_in_bytes", (memory_mb + _ZYGOTE_MB) << 20),
+                             ("pids", "pids.max", nproc + 1)):
+      if ctl in self.cgroups and self._limits.get(name) != str(value):
+        _cgroup_write(os.path.join(self.cgroups[ctl], name), str(value))
+        self._limits[name] = str(value)
+
+  def _read_counts(self) -> dict[str, int]:
+    """How often each cgroup limit has been hit so far."""
+    counts = {}
+    if "memory" in self.cgroups:
+      counts["memory"] = _read_int(os.path.join(self.cgroups["memory"], "memory.failcnt"))
+    if "pids" in self.cgroups:
+      counts["pids"] = _read_pids_events(self.cgroups["pids"])
+    return counts
+
+  # -- teardown --------------------------------------------------------------------------------
+
+  def close(self) -> None:
+    """Kills the sandbox (and everything in it) and waits for it; idempotent."""
+    if self.closed:
+      return
+    self.closed = True
+    try:
+      self.proc.kill()
+    except OSError:
+      pass
+    self.proc.wait()
+    for f in (self.proc.stdin, self.proc.stdout):
+      try:
+        f.close()
+      except OSError:
+        pass
+
+  def cleanup(self) -> None:
+    """Removes the slot's directory and cgroups; call after close()."""
+    self.close()
+    for path in self.cgroups.values():
+      for _ in range(200):
+        try:
+          os.rmdir(path)
+          break
+        except FileNotFoundError:
+          break
+        except OSError:
+          # Processes are still exiting (the kernel kills the namespace asynchronously).
+          _kill_cgroup(path)
+          time.sleep(0.005)
+    shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _cgroup_violations(before: dict[str, int], after: dict[str, int],
+                       already: list[str]) -> list[str]:
+  out = []
+  if after.get("memory", 0) > before.get("memory", 0):
+    if not any(v.startswith("memory_limit") for v in already):
+      out.append("memory_limit: sandbox memory cgroup limit reached")
+  if after.get("pids", 0) > before.get("pids", 0):
+    if not any(v.startswith("process_limit") for v in already):
+      out.append("process_limit: sandbox pids cgroup limit reached")
+  return out
+
+
+def _pid_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+    return True
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+
+
+def sweep_stale(features: hostcheck.HostFeatures, tmp_root: str = "/tmp") -> int:
+  """Removes cgroups and slot directories left by dead processes (a killed fleet host).
+
+  Returns how many cgroups were removed. This process's own are left to their pools (another
+  pool here may be creating one right now).
+  """
+  removed = 0
+  for parent in (features.cgroup_memory, features.cgroup_pids):
+    if not parent:
+      continue
+    try:
+      names = [n for n in os.listdir(parent) if n.startswith("envs-") and "-slot-" in n]
+    except OSError:
+      continue
+    for name in names:
+      try:
+        pid = int(name.split("-")[1])
+      except ValueError:
+        continue
+      path = os.path.join(parent, name)
+      if pid == os.getpid() or _pid_alive(pid):
+        continue
+      _kill_cgroup(path)
+      try:
+        os.rmdir(path)
+        removed += 1
+      except OSError:
+        pass  # Still in use (a live sandbox of this process) or still exiting.
+  try:
+    for name in os.listdir(tmp_root):
+      parts = name.split("-")
+      if name.startswith("envs-fleet-") and len(parts) > 3 and parts[2].isdigit():
+        if not _pid_alive(int(parts[2])):
+          shutil.rmtree(os.path.join(tmp_root, name), ignore_errors=True)
+  except OSError:
+    pass
+  return removed
+
+
+def _kill_cgroup(path: str) -> None:
+  try:
+    with open(os.path.join(path, "cgroup.procs")) as f:
+      for line in f:
+        try:
+          os.kill(int(line), signal.SIGKILL)
+        except (OSError, ValueError):
+          pass
+  except OSError:
+    pass
+
+
+def _read_int(path: str) -> int:
+  try:
+    with open(path) as f:
+      return int(f.read().split()[0])
+  except (OSError, ValueError, IndexError):
+    return 0
+
+
+def _read_pids_events(path: str) -> int:
+  try:
+    with open(os.path.join(path, "pids.events")) as f:
+      for line in f:
+        k, v = line.split()
+        if k == "max":
+          return int(v)
+  except (OSError, ValueError):
+    pass
+  return 0
