@@ -1,13 +1,8 @@
-"""Grouped-query attention with RoPE, optional per-head QK-norm, packing and a KV cache.
+"""Grouped-query attention with RoPE, optional per-head QK-norm and packing.
 
-Two modes share one code path:
-  * no cache (training / full forward): keys are the sequence itself; a key is visible to a query
-    when it comes no later in the row and carries the same segment id (so packed episodes never
-    attend to each other);
-  * with a cache (sampling): new keys/values are written into a per-row cache at their absolute
-    positions, and a query sees every cache entry at a position <= its own. Entries past a row's
-    current position may hold stale values from an earlier occupant of the slot; the causal mask
-    hides them until they are overwritten, which lets the sampler reuse slots without clearing.
+Keys are the sequence itself: a key is visible to a query when it comes no later in the row and
+carries the same segment id (so packed episodes never attend to each other). Decoding with a KV
+cache is the sampler's (`rollout.forward`, `rollout.kv_cache`).
 """
 
 from __future__ import annotations
@@ -46,15 +41,14 @@ class Attention(nnx.Module):
     else:
       self.q_norm = self.k_norm = None
 
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array],
-               cache: Optional[tuple[jax.Array, jax.Array]] = None):
-    """Returns (output [B, T, D], updated (k, v) cache or None).
+  def __call__(self, x: jax.Array, positions: jax.Array,
+               segment_ids: Optional[jax.Array]) -> jax.Array:
+    """Returns the output [B, T, D].
 
     Args:
       x: [B, T, D] activations.
-      positions: [B, T] absolute positions (RoPE, and cache slots when caching).
-      segment_ids: [B, T] packing segments (no-cache mode only); None means one segment per row.
-      cache: optional (k, v), each [B, S, num_kv_heads, head_dim].
+      positions: [B, T] positions (RoPE).
+      segment_ids: [B, T] packing segments; None means one segment per row.
     """
     dt = self.dtype
     x = x.astype(dt)
@@ -67,19 +61,11 @@ class Attention(nnx.Module):
     k = layers.rope(k, positions, self.rope_theta)
 
     b, t = x.shape[:2]
-    if cache is None:
-      keys, values, new_cache = k, v, None
-      idx = jnp.arange(t)
-      mask = idx[None, None, :] <= idx[None, :, None]  # [1, T, S]
-      if segment_ids is not None:
-        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
-    else:
-      ck, cv = cache
-      rows = jnp.arange(b)[:, None]
-      keys = ck.at[rows, positions].set(k.astype(ck.dtype), mode="drop")
-      values = cv.at[rows, positions].set(v.astype(cv.dtype), mode="drop")
-      new_cache = (keys, values)
-      mask = jnp.arange(ck.shape[1])[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    keys, values = k, v
+    idx = jnp.arange(t)
+    mask = idx[None, None, :] <= idx[None, :, None]  # [1, T, S]
+    if segment_ids is not None:
+      mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
 
     g = self.num_heads // self.num_kv_heads
     qg = q.reshape(b, t, self.num_kv_heads, g, self.head_dim)
@@ -91,4 +77,4 @@ class Attention(nnx.Module):
     out = jnp.einsum("bkgts,bskd->btkgd", probs, values.astype(dt))
     out = out.reshape(b, t, self.num_heads, self.head_dim)
     y = jnp.einsum("bthk,hkd->btd", out, self.o.get_value().astype(dt))
-    return y, new_cache
+    return y

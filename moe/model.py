@@ -4,6 +4,10 @@
 and token, the experts used ([moe_layers, B, T, k], a compact integer dtype). Passing that array
 back as `routing=` replays exactly those experts (router replay), which is how the learner makes
 its forward agree with the sampler's.
+
+The model runs whole sequences only (training, scoring, the reference forward in tests). Token by
+token decoding is the sampler's: `rollout.forward` on its slot KV cache (`rollout.kv_cache`),
+tested against this model's full forward.
 """
 
 from __future__ import annotations
@@ -22,27 +26,10 @@ from moe.moe_block import MoEBlock
 
 
 @flax.struct.dataclass
-class KVCache:
-  """Per-layer key/value caches, each [B, S, num_kv_heads, head_dim]."""
-  k: tuple
-  v: tuple
-
-  @classmethod
-  def zeros(cls, cfg: ModelConfig, batch: int, length: Optional[int] = None,
-            dtype=None) -> "KVCache":
-    length = length or cfg.max_seq_len
-    shape = (batch, length, cfg.num_kv_heads, cfg.resolved_head_dim)
-    dtype = dtype or cfg.jnp_dtype
-    return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
-               v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
-
-
-@flax.struct.dataclass
 class ModelOutput:
-  """logits [B, T, V] float32; routing [moe_layers, B, T, k]; cache if one was given; aux losses."""
+  """logits [B, T, V] float32; routing [moe_layers, B, T, k]; aux losses."""
   logits: jax.Array
   routing: jax.Array
-  cache: Optional[KVCache] = None
   aux: Any = None
 
 
@@ -61,14 +48,14 @@ class DecoderLayer(nnx.Module):
       self.ffn = layers.MLP(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, std=cfg.init_std,
                             param_dtype=pd, dtype=cfg.jnp_dtype)
 
-  def __call__(self, x, positions, segment_ids, cache, routing, token_mask):
-    a, new_cache = self.attn(self.attn_norm(x), positions, segment_ids, cache)
+  def __call__(self, x, positions, segment_ids, routing, token_mask):
+    a = self.attn(self.attn_norm(x), positions, segment_ids)
     h = x + a.astype(x.dtype)
     if self.is_moe:
       f, idx, aux = self.ffn(self.ffn_norm(h), routing, token_mask)
     else:
       f, idx, aux = self.ffn(self.ffn_norm(h)), None, None
-    return h + f.astype(h.dtype), new_cache, idx, aux
+    return h + f.astype(h.dtype), idx, aux
 
 
 class MoEDecoder(nnx.Module):
@@ -90,21 +77,19 @@ class MoEDecoder(nnx.Module):
 
   def __call__(self, tokens: jax.Array, *, positions: Optional[jax.Array] = None,
                segment_ids: Optional[jax.Array] = None, routing: Optional[jax.Array] = None,
-               cache: Optional[KVCache] = None,
                token_mask: Optional[jax.Array] = None) -> ModelOutput:
     """Runs the model.
 
     Args:
       tokens: int [B, T] token ids.
       positions: int [B, T]; defaults to 0..T-1 in every row. Packed rows pass positions that
-        restart at each segment; cached decoding passes each row's absolute positions.
+        restart at each segment.
       segment_ids: int [B, T] packing segments (attention stays within a segment).
       routing: optional [moe_layers, B, T, k] expert indices to replay.
-      cache: optional KVCache to read and update (sampling).
       token_mask: optional [B, T] 1 for real tokens; weights the router's auxiliary losses.
 
     Returns:
-      ModelOutput(logits float32 [B, T, V], routing [moe_layers, B, T, k], cache, aux) where aux
+      ModelOutput(logits float32 [B, T, V], routing [moe_layers, B, T, k], aux) where aux
       holds summed `load_balance_loss`, `router_z_loss` and `expert_counts` [moe_layers, E].
     """
     cfg = self.config
@@ -120,15 +105,11 @@ class MoEDecoder(nnx.Module):
         raise ValueError(f"routing has shape {tuple(routing.shape)}, expected {want} "
                          "([moe_layers, batch, length, k])")
     x = jnp.take(self.embed.get_value(), tokens, axis=0).astype(cfg.jnp_dtype)
-    new_k, new_v, chosen, auxes = [], [], [], []
+    chosen, auxes = [], []
     for i, layer in enumerate(self.layers):
-      layer_cache = None if cache is None else (cache.k[i], cache.v[i])
       moe_i = i - cfg.first_k_dense
       layer_routing = None if routing is None or moe_i < 0 else routing[moe_i]
-      x, c, idx, aux = layer(x, positions, segment_ids, layer_cache, layer_routing, token_mask)
-      if c is not None:
-        new_k.append(c[0])
-        new_v.append(c[1])
+      x, idx, aux = layer(x, positions, segment_ids, layer_routing, token_mask)
       if idx is not None:
         chosen.append(idx.astype(cfg.routing_dtype))
         auxes.append(aux)
@@ -148,8 +129,7 @@ class MoEDecoder(nnx.Module):
       routing_out = jnp.zeros((0, b, t, cfg.num_experts_per_tok), cfg.routing_dtype)
       aux = {"load_balance_loss": jnp.zeros(()), "router_z_loss": jnp.zeros(()),
              "expert_counts": jnp.zeros((0, cfg.num_experts))}
-    out_cache = None if cache is None else KVCache(k=tuple(new_k), v=tuple(new_v))
-    return ModelOutput(logits=logits, routing=routing_out, cache=out_cache, aux=aux)
+    return ModelOutput(logits=logits, routing=routing_out, aux=aux)
 
   def aux_loss(self, out: ModelOutput) -> jax.Array:
     """Weighted router losses to add to the training objective."""

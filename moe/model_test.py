@@ -1,8 +1,12 @@
-"""Model behaviour on tiny configs: shapes, replay, KV cache, packing, experts, routers.
+"""Model behaviour on tiny configs: shapes, replay, packing, experts, routers.
 
-Tolerance policy (fp32): paths that compute the same math in a different order (cached vs full
-forward, ragged vs dispatch experts) agree within 1e-5 absolute on logits of O(1) magnitude; a
-path that is the same computation (replaying the routing just chosen) must be bit-identical.
+(Cached decoding is the sampler's: rollout/forward_test.py checks it against this model's full
+forward, rollout/kv_cache_test.py the reuse of slots.)
+
+Tolerance policy (fp32): paths that compute the same math in a different order (packed vs
+separate rows, ragged vs dispatch experts) agree within 1e-5 absolute on logits of O(1)
+magnitude; a path that is the same computation (replaying the routing just chosen) must be
+bit-identical.
 """
 
 import sys
@@ -15,7 +19,6 @@ from flax import nnx
 
 from moe import build
 from moe.config import ModelConfig
-from moe.model import KVCache
 from moe.router import update_bias
 
 TOL = 1e-5
@@ -81,32 +84,6 @@ def test_bad_routing_shape_raises():
     model(tokens(), routing=jnp.zeros((2, 2, 12, 3), jnp.uint8))
   with pytest.raises(ValueError, match="tokens must be"):
     model(jnp.zeros((12,), jnp.int32))
-
-
-def test_kv_cache_decode_matches_full_forward():
-  cfg = tiny(qk_norm=True)
-  model = build.create(cfg)
-  x = tokens(t=16)
-  full = model(x)
-  step = model(x[:, :9], cache=KVCache.zeros(cfg, 2, 32))
-  logits, routing, cache = [step.logits], [step.routing], step.cache
-  for i in range(9, 16):
-    o = model(x[:, i:i + 1], positions=jnp.full((2, 1), i), cache=cache)
-    logits.append(o.logits)
-    routing.append(o.routing)
-    cache = o.cache
-  np.testing.assert_allclose(np.concatenate(logits, 1), full.logits, atol=TOL)
-  np.testing.assert_array_equal(np.concatenate(routing, 2), np.asarray(full.routing))
-
-
-def test_cache_slot_reuse_ignores_stale_entries():
-  cfg = tiny()
-  model = build.create(cfg)
-  x = tokens(b=1, t=6, seed=3)
-  stale = model(tokens(b=1, t=20, seed=4), cache=KVCache.zeros(cfg, 1, 32)).cache
-  fresh = model(x, cache=KVCache.zeros(cfg, 1, 32))
-  reused = model(x, cache=stale)
-  np.testing.assert_array_equal(np.asarray(fresh.logits), np.asarray(reused.logits))
 
 
 def test_packed_segments_do_not_attend_across():

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from moe import params as moe_params
-from moe.model import KVCache
 from rollout import forward
 from rollout import kv_cache
 from rollout import packed_weights
