@@ -2,7 +2,7 @@
 
 What: builders that turn hardware and model figures into `simulator` inputs (decode step time of
 a memory-bound sampler replica, learner seconds per token, weight-sync times from the fan-out
-simulator in `sync.sim`), the three scenarios the benchmark reports, and `compare`/`sweep`, which
+simulator in `sync.fanout_sim`), the three scenarios the benchmark reports, and `compare`/`sweep`, which
 run the synchronous baseline and asynchronous runs on the same prompts.
 
 Why: the numbers in BENCHMARKS.md must come from one place, with each assumption written next to
@@ -17,7 +17,7 @@ import math
 import statistics
 
 from pipeline import simulator as sm
-from sync import sim as sync_sim
+from sync import fanout_sim
 
 # Hardware assumptions (stated, not measured): an H200-class accelerator.
 PEAK_BF16_FLOPS = 989e12
@@ -66,9 +66,9 @@ def sync_from_fanout(samplers: int, accelerators_per_replica: int, learner_accel
                      model_bytes: float, ratio: float = 20.7, encode_Bps_per_core: float = 0.54e9,
                      decode_Bps_per_core: float = 0.79e9, clusters: int = 4,
                      apply_delta_only: bool = True) -> sm.WeightSync:
-  """Per-sampler update and pause times from `sync.sim` (the weight-sync fan-out simulator).
+  """Per-sampler update and pause times from `sync.fanout_sim` (the weight-sync fan-out simulator).
 
-  Samplers are spread round-robin over the four clusters of `sync.sim.terabyte_four_clusters`
+  Samplers are spread round-robin over the four clusters of `sync.fanout_sim.terabyte_four_clusters`
   (its links, relays and per-host assumptions), with one relay per replica, a replica's hosts
   = accelerators_per_replica / 8, and the learner's hosts encoding in parallel. Defaults: the
   plain XOR+zstd figures measured here (20.7x, 0.54 / 0.79 GB/s per core, see
@@ -76,7 +76,7 @@ def sync_from_fanout(samplers: int, accelerators_per_replica: int, learner_accel
   """
   hosts = max(1, math.ceil(accelerators_per_replica / ACCELERATORS_PER_HOST))
   counts = [len(range(c, samplers, clusters)) for c in range(clusters)]
-  cfg = sync_sim.terabyte_four_clusters(
+  cfg = fanout_sim.terabyte_four_clusters(
       encode_Bps_per_core, decode_Bps_per_core, ratio,
       learner_hosts=max(1, learner_accelerators // ACCELERATORS_PER_HOST),
       replicas=max(counts), hosts_per_replica=hosts, apply_delta_only=apply_delta_only)
@@ -84,7 +84,7 @@ def sync_from_fanout(samplers: int, accelerators_per_replica: int, learner_accel
       cfg, model_bytes=model_bytes,
       clusters=[dataclasses.replace(c, replicas=n, relays=max(1, n))
                 for c, n in zip(cfg.clusters[:clusters], counts) if n])
-  result = sync_sim.simulate(cfg)
+  result = fanout_sim.simulate(cfg)
   serving, pause = {}, {}
   for h in result.hosts:
     key = (h.cluster, h.replica)
@@ -195,7 +195,7 @@ def _moe_scenario(name, *, accelerators, inference_frac, per_replica, slots, tot
       f"{prompts} prompts x {attempts} attempts, {turns} turn(s), response median {median}, "
       f"p99 {p99}, max {max_tokens} tokens; env per turn median {env_median_s} s, p99 "
       f"{env_p99_s} s",
-      f"weight sync from sync.sim over four clusters: {sy.end_to_end_s:.1f} s end to end, "
+      f"weight sync from sync.fanout_sim over four clusters: {sy.end_to_end_s:.1f} s end to end, "
       f"pause <= {sy.max_pause_s:.2f} s (XOR+zstd 20.7x at the per-core rates measured here)",
   ) + notes)
 

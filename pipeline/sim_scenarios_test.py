@@ -1,4 +1,4 @@
-"""Tests for the scenario builders: hardware arithmetic, the sync.sim adapter, the table.
+"""Tests for the scenario builders: hardware arithmetic, the sync.fanout_sim adapter, the table.
 
 Tolerance policy: closed-form arithmetic is compared with pytest.approx at its default relative
 1e-6.
@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from pipeline import sim_scenarios as sc
-from sync import sim as sync_sim
+from sync import fanout_sim
 
 
 def test_decode_pool_arithmetic():
@@ -30,11 +30,11 @@ def test_sync_from_fanout_matches_sync_sim():
   assert len(ws.ready_s) == len(ws.pause_s) == 6
   assert min(ws.pause_s) > 0 and min(ws.ready_s) > 0
   counts = [2, 2, 1, 1]  # 6 samplers round-robin over four clusters
-  cfg = sync_sim.terabyte_four_clusters(0.54e9, 0.79e9, 20.7, learner_hosts=8, replicas=2,
+  cfg = fanout_sim.terabyte_four_clusters(0.54e9, 0.79e9, 20.7, learner_hosts=8, replicas=2,
                                         hosts_per_replica=2, apply_delta_only=True)
   cfg = dataclasses.replace(cfg, model_bytes=2e9, clusters=[
       dataclasses.replace(c, replicas=n, relays=n) for c, n in zip(cfg.clusters, counts)])
-  ref = sync_sim.simulate(cfg)
+  ref = fanout_sim.simulate(cfg)
   assert ws.end_to_end_s == pytest.approx(ref.end_to_end_s)
   assert ws.max_pause_s == pytest.approx(ref.max_pause_s)
 

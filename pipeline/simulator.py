@@ -26,7 +26,7 @@ How time is modelled:
   and costs `step_fixed_s + tokens * s_per_token`; a group is dropped (its work wasted, in-flight
   attempts aborted and replaced) once it could only be consumed with a lag above k, so no
   consumed trajectory is older than k versions (by the oldest version among its tokens).
-- Weight sync (see `WeightSync`, usually built from `sync.sim`): after each learner step the
+- Weight sync (see `WeightSync`, usually built from `sync.fanout_sim`): after each learner step the
   update reaches sampler i after `ready_s[i]` and it pauses `pause_s[i]` to swap; syncs run one at
   a time and a newer version published meanwhile is sent next (intermediate ones are skipped).
 

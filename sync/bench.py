@@ -20,9 +20,9 @@ does not depend on N) over the threads, each with its own zstd contexts. Why not
 decompression. So a row's ratio "ours / baseline" compares like with like; `workers=1` gives
 the single-thread rows of both sides.
 GB/s are bytes of model weights per second. `synthetic_pairs` builds RL-like updates (see
-`synthetic`); `load_flat` reads checkpoints (orbax directories or .npz) so two consecutive learner
-checkpoints can be measured the same way; `train_deltas` (separate: it needs JAX) yields real
-consecutive versions. `terabyte_report` feeds the measured per-core rates into the simulator.
+`synthetic`); `load_flat` reads checkpoints (orbax directories or .npz) so two consecutive
+learner checkpoints can be measured the same way; `tools/train_deltas.py` (apart from `sync/`:
+it drives the learner) yields real consecutive versions. `terabyte_report` feeds the measured per-core rates into `fanout_sim`.
 `tools/bench_sync.py` is the command-line entry point.
 """
 
@@ -39,11 +39,11 @@ import numpy as np
 import zstandard
 
 from sync import delta
-from sync import kernels
-from sync import parallel
-from sync import sim
+from sync import fanout_sim
 from sync import synthetic
 from sync import weights
+from sync.delta import codec
+from sync.delta import parallel
 
 
 @dataclasses.dataclass
@@ -190,7 +190,7 @@ def measure(base: dict, new: dict, label: str = "", repeats: int = 5, workers=No
   changed = sum(int(np.count_nonzero(weights.words(base[k]) != weights.words(new[k])))
                 for k in new if k in base)
   w = parallel.workers(workers)
-  kernels.warm_up()  # numba compiles once per process: not part of any timing
+  codec.warm_up()  # numba compiles once per process: not part of any timing
   held = {k: v.copy() for k, v in base.items()}  # the sampler's one weight set
   bufs = {k: np.ones_like(v) for k, v in new.items()}  # a recycled second set
   t = {k: [] for k in ("enc", "apply", "apply_ch", "memcpy", "dec", "dec_pool", "dec_fresh",
@@ -311,8 +311,8 @@ def terabyte_report(row: Row, cores_here: int | None = None, **kw) -> dict:
   enc, dec = row.encode_GBps * 1e9 / cores, row.apply_changes_GBps * 1e9 / cores
   out = {}
   for mode in (False, True):
-    r = sim.simulate(sim.terabyte_four_clusters(enc, dec, row.ratio, apply_delta_only=mode,
-                                                **kw))
+    cfg = fanout_sim.terabyte_four_clusters(enc, dec, row.ratio, apply_delta_only=mode, **kw)
+    r = fanout_sim.simulate(cfg)
     out["delta scatter on device" if mode else "full shard swap"] = {
         "end_to_end_s": r.end_to_end_s, "max_pause_s": r.max_pause_s,
         "delta_GB": r.delta_bytes / 1e9, "per_cluster_s": r.per_cluster()}

@@ -20,8 +20,8 @@ import time
 import numpy as np
 
 from sync import delta
+from sync import fetch_plan
 from sync import manifest as manifest_lib
-from sync import plan as plan_lib
 from sync import snapshot
 from sync import weights
 
@@ -67,7 +67,7 @@ def load_snapshot(source, m: manifest_lib.Manifest) -> dict:
 def restore(source, version: int | None = None, workers=None) -> tuple[dict, int]:
   """(weights, version) of `version` (default latest) from a Store or any `.get(key)` source."""
   index = read_index(source)
-  p = plan_lib.plan(index, None, version)
+  p = fetch_plan.plan(index, None, version)
   flat, digest = None, None
   for kind, v in p.steps:
     m = read_manifest(source, v)

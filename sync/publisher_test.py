@@ -4,8 +4,8 @@ import sys
 
 import pytest
 
+from sync import fetch_plan
 from sync import manifest as manifest_lib
-from sync import plan as plan_lib
 from sync import publisher
 from sync import store as store_lib
 from sync import testing
@@ -39,7 +39,7 @@ def test_gc_keeps_the_newest_snapshots_and_what_follows(tmp_path):
   index = publisher.read_index(st)
   assert sorted(index.versions) == [4, 5, 6, 7]
   assert not st.list(manifest_lib.version_dir(3)) and st.list(manifest_lib.version_dir(4))
-  with pytest.raises(plan_lib.PlanError):
+  with pytest.raises(fetch_plan.PlanError):
     publisher.restore(st, 3)
   flat, _ = publisher.restore(st, 5)
   assert testing.same_bits(flat, hist[5])

@@ -2,7 +2,7 @@
 
 What: `Subscriber(source, apply_fn)` follows a store (directly, or through relays with
 `transport.HttpSource`). `poll()` reads the index; if a newer version exists it plans the cheapest
-path (delta chain, or newest snapshot plus deltas, see `plan`), fetches each object, checks its
+path (delta chain, or newest snapshot plus deltas, see `fetch_plan`), fetches each object, checks its
 size and hash against the manifest, checks each delta's parent digest against the version held,
 decodes it (into fresh arrays, or with `inplace=True` straight into the held arrays, see below),
 verifies the result's digest, and only then calls `apply_fn(flat_weights, version)` (the
@@ -29,12 +29,12 @@ import threading
 import time
 
 from sync import delta
-from sync import transport
+from sync import fetch_plan
 from sync import manifest as manifest_lib
-from sync import plan as plan_lib
+from sync import transport
 from sync import publisher
 
-_FAILURES = (delta.DeltaError, manifest_lib.ManifestError, plan_lib.PlanError, KeyError,
+_FAILURES = (delta.DeltaError, manifest_lib.ManifestError, fetch_plan.PlanError, KeyError,
              transport.HttpError, OSError, ValueError)
 
 
@@ -150,7 +150,7 @@ class Subscriber:
       src = _Counting(self.source)
       t0 = time.perf_counter()
       try:
-        p = plan_lib.plan(index, self.version if avoid is None else None, index.latest)
+        p = fetch_plan.plan(index, self.version if avoid is None else None, index.latest)
         flat, version, digest, decode_s = self._follow(src, p.steps)
         break
       except _FAILURES as e:

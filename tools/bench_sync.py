@@ -34,7 +34,7 @@ from sync import bench
 def learner_rows(gin_files, lrs, steps: int, repeats: int, workers=(None,), rows: int = 4,
                  seq_len: int = 32, bindings=()):
   """Rows for consecutive learner versions at each learning rate, and a per-lr summary."""
-  from sync import train_deltas  # pylint: disable=g-import-not-at-top  (JAX only here)
+  from tools import train_deltas  # pylint: disable=g-import-not-at-top  (JAX only here)
   from tools import configs  # pylint: disable=g-import-not-at-top
   configs.parse(gin_files, bindings)
   cfg = configs.model_config()

@@ -11,9 +11,9 @@ import pytest
 import zstandard
 
 from sync import bench
-from sync import parallel
 from sync import synthetic
 from sync import weights
+from sync.delta import parallel
 from tools import bench_sync
 
 
@@ -85,6 +85,15 @@ def test_ratio_divides_by_the_memcpy_measured_in_the_same_row(monkeypatch):
   row = bench.measure(base, new, "slowed", repeats=1, workers=2)
   assert row.memcpy_GBps <= weights.nbytes(new) / 1.0 / 1e9
   assert row.apply_changes_vs_memcpy > 1 and row.decode_vs_memcpy > 1
+
+
+def test_command_line_entry_point(tmp_path):
+  out = tmp_path / "r.json"
+  assert bench_sync.main(["--size", "200000", "--fractions", "0.04", "--repeats", "1",
+                          "--json", str(out)]) == 0
+  report = json.loads(out.read_text())
+  assert report["rows"][0]["ratio"] > 20 and "terabyte" in report
+  assert report["rows"][0]["apply_vs_memcpy"] > 0
 
 
 def test_command_line_prints_one_table_per_thread_count(tmp_path, capsys):

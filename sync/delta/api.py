@@ -1,6 +1,7 @@
 """Delta blobs between two versions of flat weights: `encode`, `decode`, `apply_inplace`.
 
-What: the public interface of weight-sync compression.
+What: the public interface of weight-sync compression (re-exported by the `sync.delta`
+package, so callers write `from sync import delta`).
 
     from sync import delta
     blob = delta.encode(base, new)        # base/new: dict name -> np.ndarray
@@ -25,7 +26,7 @@ Blob layout (little-endian):
   records: one per chunk, in header order: u32 tensor, u32 chunk, u8 kind, 3 pad,
            u64 payload length, u64 xxh3 of the payload, u64 xxh3 of the base chunk,
            u64 xxh3 of the rebuilt chunk, u64 changes hash (SPARSE, SPARSE_UNIT; 0 otherwise),
-           u32 xxh32 of those 52 bytes; then the payload (see `codec`).
+           u32 xxh32 of those 52 bytes; then the payload (see `chunk_format`).
   trailer: END_MAGIC, u64 record count, 32-char parent digest, 32-char new digest, u32 xxh32.
 
 Why these checks: the record-header checksum and strict (tensor, chunk) order reject damaged,
@@ -36,19 +37,19 @@ path; the trailer rejects truncation and proves the result is version `digest`.
 
 Checking an in-place apply at the cost of the changes (`apply_inplace(check="changes")`, the
 default when the caller names the held version with `expect_parent`). Hashing every rebuilt
-chunk costs a pass over the whole model, a third of a memcpy's time, for a delta that touches
-4% of it. When the caller vouches that the held arrays are bit-exactly version P (they were
-proven P when they were built: by this check or the full one, or a verified snapshot) and P is
-the blob's parent digest, the result is proven to be the new version N by checking only the
-changes: every record, payload hash, the trailer and version digest pass (so the payloads are
-byte-for-byte the encoder's); the encoder, holding P, listed *every* position where P and N
-differ, so an unlisted element keeps P's bits, which equal N's; for a listed element, the
-changes hash over (position, bits before, bits after) that the kernel computed while writing
-must equal the encoder's hash over (position, P's bits, N's bits), so the element held P's bits
-and now holds N's (up to a 2**-64 collision, as for the xxh3-64 chunk hashes). Hence the result
-is N bit-exactly. DENSE, DENSE_UNIT and RAW chunks (every element changes anyway) are still hashed whole, and
-so are sparse chunks with more than `_CHANGES_HASH_LIMIT` of their elements changed (there one
-xxh3 pass over the just-written chunk costs less than mixing every change).
+chunk costs a pass over the whole model for a delta that touches a few percent of it. When the
+caller vouches that the held arrays are bit-exactly version P (they were proven P when they were
+built: by this check or the full one, or a verified snapshot) and P is the blob's parent digest,
+the result is proven to be the new version N by checking only the changes: every record, payload
+hash, the trailer and version digest pass (so the payloads are byte-for-byte the encoder's); the
+encoder, holding P, listed *every* position where P and N differ, so an unlisted element keeps
+P's bits, which equal N's; for a listed element, the changes hash over (position, bits before,
+bits after) that the kernel computed while writing must equal the encoder's hash over (position,
+P's bits, N's bits), so the element held P's bits and now holds N's (up to a 2**-64 collision,
+as for the xxh3-64 chunk hashes). Hence the result is N bit-exactly. DENSE, DENSE_UNIT and RAW
+chunks (every element changes anyway) are still hashed whole, and so are sparse chunks with more
+than `_CHANGES_HASH_LIMIT` of their elements changed (there one xxh3 pass over the just-written
+chunk costs less than mixing every change).
 What this mode does not see is held memory that differs from P at an *unchanged* position while
 the caller claims it is P; callers that cannot vouch for their arrays use check="result"
 (the default without `expect_parent`) or `verify_base=True`.
@@ -66,10 +67,10 @@ import time
 import numpy as np
 import xxhash
 
-from sync import buffers
-from sync import codec
-from sync import parallel
 from sync import weights
+from sync.delta import buffers
+from sync.delta import codec
+from sync.delta import parallel
 
 MAGIC = b"SYNCDLT1"
 END_MAGIC = b"SYNCEND1"
@@ -78,9 +79,9 @@ FORMAT = 3  # 2: records carry the changes hash; 3: adds SPARSE_UNIT and DENSE_U
 _KINDS = {2: frozenset((codec.SAME, codec.SPARSE, codec.DENSE, codec.RAW)),
           3: frozenset(codec.KIND_NAMES)}
 # With check="changes", a sparse chunk with more than this fraction of its elements changed is
-# checked by xxh3 of the rebuilt chunk instead. Per 128 MB of bf16 on one core the changes hash
-# (vectorized, see `kernels`) cost ~1.5 ms at 4% changed (~0.55 ns per change), xxh3 of the
-# whole model ~3.7 ms (~0.06 ns per element): the break-even is near 10%, and xxh3 proves more.
+# checked by xxh3 of the rebuilt chunk instead: the changes hash (vectorized, see
+# `unit_kernels`) costs about ten times as much per change as xxh3 does per element, so the
+# break-even lies near 10% changed, and xxh3 proves more.
 _CHANGES_HASH_LIMIT = 1 / 8
 # Payload bytes read ahead while decoding a stream (with at most 32 chunks per worker).
 _BATCH_BYTES = 64 << 20
@@ -400,9 +401,9 @@ def decode_stream(base: Mapping[str, np.ndarray], source, *, workers=None,
   w = parallel.workers(workers)
   recs = _records(reader, expected, chunk_elems, [o.itemsize for o in outw], head["format"])
   # Batches of records (bounded payload bytes), each run by `map_all` with this thread among
-  # the workers: one hand-off per worker per batch. A pool fed chunk by chunk from here ran
-  # 2 threads at ~1.2x of one on this 2-core machine (every finished chunk waited for this
-  # thread to be scheduled to hand out the next).
+  # the workers: one hand-off per worker per batch. A pool fed chunk by chunk from here barely
+  # gained from a second thread on a loaded 2-core machine (every finished chunk waited for
+  # this thread to be scheduled to hand out the next).
   with (concurrent.futures.ThreadPoolExecutor(w - 1) if w > 1 else
         contextlib.nullcontext()) as pool:
     for batch in parallel.batches(recs, 32 * w, _BATCH_BYTES, lambda r: len(r[3])):
@@ -440,11 +441,11 @@ def apply_inplace(base: Mapping[str, np.ndarray], source, *, workers=None,
                   check: str = "auto", reverse: bool = False):
   """Turns `base` into the new version by writing only the changed elements into its arrays.
 
-  The cheap path for a sampler that holds one copy of the weights: no second model is
-  allocated or copied, so the work is decompressing the payloads, scattering the changed
-  elements (one fused pass, `kernels`) and proving the result is version `digest`: by hashing
-  every rebuilt chunk, or, when the caller vouches for the held version, by checking only the
-  changes (see the module docstring).
+  The cheap path for a sampler that holds one copy of the weights: no second model is allocated
+  or copied, so the work is decompressing the payloads, scattering the changed elements (one
+  fused pass, `sparse_kernels` / `unit_kernels`) and proving the result is version `digest`: by
+  hashing every rebuilt chunk, or, when the caller vouches for the held version, by checking
+  only the changes (see the module docstring).
 
   All or nothing: the whole blob is read and every record, payload checksum, the trailer, the
   version digest over the records' chunk hashes and `expect_parent` are checked before the

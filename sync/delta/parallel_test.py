@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from sync import parallel
+from sync.delta import parallel
 from tests import waiting
 
 

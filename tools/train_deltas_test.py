@@ -1,7 +1,6 @@
 """Tests for real learner versions: they change, round-trip bit-exactly and beat XOR+zstd."""
 
 import json
-import os
 import sys
 
 import numpy as np
@@ -10,8 +9,9 @@ import pytest
 from moe.config import ModelConfig
 from sync import bench
 from sync import delta
-from sync import train_deltas
 from sync import weights
+from tools import bench_sync
+from tools import train_deltas
 
 CFG = ModelConfig(vocab_size=16, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                   intermediate_size=64, moe_intermediate_size=32, num_experts=4,
@@ -35,8 +35,6 @@ def test_consecutive_learner_versions_compress_bit_exactly():
 
 
 def test_command_line_learner_mode(tmp_path):
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  from tools import bench_sync  # pylint: disable=g-import-not-at-top
   small = ["vocab_size=16", "hidden_size=32", "num_layers=1", "num_heads=2", "num_kv_heads=1",
            "intermediate_size=64", "moe_intermediate_size=32", "num_experts=4",
            "max_seq_len=64"]

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import zstandard
 
-from sync import codec
-from sync import kernels
-from sync import unit_kernels
+from sync.delta import chunk_format as fmt
+from sync.delta import codec
+from sync.delta import unit_kernels
 
 
 def _unit_body(dtype, n=70_000, frac=0.04, seed=0, exceptions=True):
@@ -38,7 +38,7 @@ def _unit_body(dtype, n=70_000, frac=0.04, seed=0, exceptions=True):
 def test_unit_numba_and_numpy_paths_are_bit_identical(dtype, frac, exceptions):
   base, new, raw, ch = _unit_body(dtype, frac=frac, exceptions=exceptions)
   pos = np.flatnonzero(base != new)
-  assert ch == kernels.changes_hash(pos, base[pos], new[pos]) != 0
+  assert ch == fmt.changes_hash(pos, base[pos], new[pos]) != 0
   nexc = unit_kernels.UNIT_HEAD.unpack_from(raw)[1]
   assert (nexc > 0) == exceptions
   for use_numba in (True, False):
@@ -58,7 +58,7 @@ def test_unit_numba_and_numpy_paths_are_bit_identical(dtype, frac, exceptions):
 def _with_exceptions(raw, idx, vals_z, itemsize):
   """`raw` (a body without exceptions) with the given exception indices and zig-zag values."""
   nnz, _, cb = unit_kernels.UNIT_HEAD.unpack_from(raw)
-  planes = codec._gap_planes(np.asarray(idx, np.int64))  # pylint: disable=protected-access
+  planes = fmt.gap_planes(np.asarray(idx, np.int64))
   vals = np.asarray(vals_z, f"<u{itemsize}")
   vplanes = np.ascontiguousarray(vals.view(np.uint8).reshape(-1, itemsize).T).tobytes()
   return (unit_kernels.UNIT_HEAD.pack(nnz, len(idx), cb) + raw[unit_kernels.UNIT_HEAD.size:] + planes +
@@ -153,7 +153,7 @@ def _dense_with(raw, packed=None, exc=None):
   h = unit_kernels.DENSE_UNIT_HEAD.size
   packed = raw[h:h + -(-n // 4)] if packed is None else packed
   pos, vals = exc or ([], [])
-  planes = codec._gap_planes(np.asarray(pos, np.int64))  # pylint: disable=protected-access
+  planes = fmt.gap_planes(np.asarray(pos, np.int64))
   v = np.ascontiguousarray(np.asarray(vals, "<u2").view(np.uint8).reshape(-1, 2).T).tobytes()
   return unit_kernels.DENSE_UNIT_HEAD.pack(n, len(pos)) + bytes(packed) + planes + v
 

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import zstandard
 
-from sync import codec
-from sync import kernels
+from sync.delta import chunk_format as fmt
+from sync.delta import codec
+from sync.delta import sparse_kernels
 
 
 def _sparse_body(dtype, n=70_000, frac=0.04, seed=0):
@@ -31,7 +32,7 @@ def _sparse_body(dtype, n=70_000, frac=0.04, seed=0):
 
 
 def test_numba_is_installed():
-  assert kernels.HAVE_NUMBA  # pinned in requirements.txt; the fallback is tested below
+  assert sparse_kernels.HAVE_NUMBA  # pinned in requirements.txt; the fallback is tested below
 
 
 @pytest.mark.parametrize("frac", [0.005, 0.1])  # the kernel's blocked and one-pass loops
@@ -39,16 +40,16 @@ def test_numba_is_installed():
 def test_numba_and_numpy_paths_are_bit_identical(dtype, frac):
   base, new, raw, ch = _sparse_body(dtype, frac=frac)
   pos = np.flatnonzero(base != new)
-  assert ch == kernels.changes_hash(pos, base[pos], new[pos]) != 0
+  assert ch == fmt.changes_hash(pos, base[pos], new[pos]) != 0
   for use_numba in (True, False):
     out = base.copy()
-    assert kernels.sparse_apply(raw, out, use_numba=use_numba) == ch
+    assert sparse_kernels.sparse_apply(raw, out, use_numba=use_numba) == ch
     np.testing.assert_array_equal(out, new)
-    kernels.sparse_apply(raw, out, undo=True, use_numba=use_numba)
+    sparse_kernels.sparse_apply(raw, out, undo=True, use_numba=use_numba)
     np.testing.assert_array_equal(out, base)
   wrong = base.copy()
   wrong[pos[len(pos) // 2]] ^= 1  # other bits before a change: another hash, both paths
-  hashes = {kernels.sparse_apply(raw, wrong.copy(), use_numba=u) for u in (True, False)}
+  hashes = {sparse_kernels.sparse_apply(raw, wrong.copy(), use_numba=u) for u in (True, False)}
   assert len(hashes) == 1 and ch not in hashes
 
 
@@ -57,18 +58,19 @@ def test_numba_and_numpy_paths_are_bit_identical(dtype, frac):
 def test_malformed_bodies_leave_the_chunk_unchanged(use_numba, frac):
   base, _, raw, _ = _sparse_body(np.uint16, frac=frac)
   short = base[:-5].copy()  # the last position lies outside: rejected after partial writes
-  assert kernels.sparse_apply(raw, short, use_numba=use_numba) is None
+  assert sparse_kernels.sparse_apply(raw, short, use_numba=use_numba) is None
   np.testing.assert_array_equal(short, base[:-5])
   out = base.copy()
-  assert kernels.sparse_apply(raw[:-1], out, use_numba=use_numba) is None
-  assert kernels.sparse_apply(raw[:2], out, use_numba=use_numba) is None
+  assert sparse_kernels.sparse_apply(raw[:-1], out, use_numba=use_numba) is None
+  assert sparse_kernels.sparse_apply(raw[:2], out, use_numba=use_numba) is None
   np.testing.assert_array_equal(out, base)
 
 
 def test_delta_roundtrip_without_numba_matches():
   code = ("import numpy as np, ml_dtypes\n"
-          "from sync import delta, kernels, synthetic, weights\n"
-          "assert not kernels.HAVE_NUMBA\n"
+          "from sync import delta, synthetic, weights\n"
+          "from sync.delta import sparse_kernels, unit_kernels\n"
+          "assert not sparse_kernels.HAVE_NUMBA and not unit_kernels.HAVE_NUMBA\n"
           "for frac, kind in ((0.04, 'sparse_unit'), (0.3, 'dense_unit')):\n"
           "  m = synthetic.init_master({'w': (300, 500)}, 1)\n"
           "  b = synthetic.cast(m); synthetic.rl_step(m, frac, 2); n = synthetic.cast(m)\n"

@@ -6,7 +6,7 @@ import threading
 import numpy as np
 import pytest
 
-from sync import buffers
+from sync.delta import buffers
 
 
 def _addr(a):

@@ -1,10 +1,11 @@
 """Fused sparse-apply kernel: rebuild positions and values, scatter them, checksum the changes.
 
 What: `sparse_apply(raw, out)` takes the decompressed body of a SPARSE chunk payload (see
-`codec`: u32 count, three gap byte planes, the value byte planes of zig-zag differences) and
-adds the changes into `out` in place, in one pass over the changed elements; it returns the
-*changes hash* of what it did. `changes_hash(pos, old, new)` is the same hash computed with
-numpy (the encoder's side, and the tests' reference).
+`chunk_format`: u32 count, three gap byte planes, the value byte planes of zig-zag differences)
+and adds the changes into `out` in place, in one pass over the changed elements; it returns the
+*changes hash* of what it did (defined in `chunk_format`, whose `changes_hash` is the numpy
+reference the encoder uses). The module also loads numba (`HAVE_NUMBA`) and holds the compiled
+splitmix64 finaliser, the block size and the loop choice that `unit_kernels` shares.
 
 Why a compiled kernel: in numpy the same work is five passes (gap planes -> gaps, cumsum ->
 positions, value planes -> zig-zag codes, un-zig-zag, `np.add.at`), each materialising an array
@@ -13,35 +14,32 @@ kernel reads each payload byte once and touches each changed element once. It is
 numba (`nogil=True`: threads apply different chunks at the same time). If numba is not
 installed, the same functions run as numpy code with bit-identical results (tested both ways).
 
-The changes hash, the sum over changed elements i of mix(pos_i | old_i << 24 | new_i << 40)
-for words of up to 16 bits (an injective 56-bit key: positions are < 2**24), or of
-mix(mix(pos_i * C + old_i) ^ new_i) for wider words, mod 2**64 (`mix`: the splitmix64
-finaliser; one mix per element instead of two made the bf16 kernel 1.4x faster), is
-order-independent (so numpy can compute it vectorised)
-and covers every (position, old bits, new bits) triple. `delta` records it per chunk; it lets a
-sampler whose held weights are verifiably the parent version check an in-place apply at a cost
-proportional to the changed elements (see `delta.apply_inplace`, check="changes").
+The changes hash covers every (position, old bits, new bits) triple and is order-independent;
+`api` records it per chunk; it lets a sampler whose held weights are verifiably the parent
+version check an in-place apply at a cost proportional to the changed elements (see
+`api.apply_inplace`, check="changes").
 
 The SPARSE_UNIT and DENSE_UNIT forms have their kernels in `unit_kernels`.
 """
 
 import os
-import struct
 
 import numpy as np
 
-_HEAD = struct.Struct("<I")  # the SPARSE body's element count (`codec._SPARSE_HEAD`)
+from sync.delta import chunk_format as fmt
+
+_HEAD = fmt.SPARSE_HEAD
 _HEAD_SIZE = 4
-_C = np.uint64(0x9E3779B97F4A7C15)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
-_S24, _S40 = np.uint64(24), np.uint64(40)
-_BLOCK = 256  # changes per gather/scatter block of the kernel (L1-resident scratch)
+# numba reads module globals as compile-time constants: the hash's, bound here.
+_C = fmt.HASH_C
+_M1, _M2 = fmt.MIX_M1, fmt.MIX_M2
+_S30, _S27, _S31 = fmt.MIX_S1, fmt.MIX_S2, fmt.MIX_S3
+_S24, _S40 = fmt.KEY_OLD_SHIFT, fmt.KEY_NEW_SHIFT
+BLOCK = 256  # changes per gather/scatter block of the kernel (L1-resident scratch)
 # One pass when changes are at most ~80 bytes apart on average, else gather in blocks. Measured
 # on bf16 (per 64 MB, kernel ms, one pass / blocks): 2.2% changed 7.9 / 6.3, 2.6% 5.4 / 7.2,
 # 3% 3.9 / 6.9, 1% 10.3 / 3.1.
-_ONE_PASS_BYTES = 80
+ONE_PASS_BYTES = 80
 _ONE = np.uint64(1)
 _ZERO = np.uint64(0)
 
@@ -58,30 +56,11 @@ if HAVE_NUMBA:
 
   @numba.njit(nogil=True, cache=False, inline="always")
   def mix_nb(x):
-    """The splitmix64 finaliser on one uint64 (`_mix_np` element-wise) for the kernels here
-    and in `sync.unit_kernels`."""
+    """The splitmix64 finaliser on one uint64 (`chunk_format.mix` element-wise) for the
+    kernels here and in `unit_kernels`."""
     x = (x ^ (x >> _S30)) * _M1
     x = (x ^ (x >> _S27)) * _M2
     return x ^ (x >> _S31)
-
-
-def _mix_np(x: np.ndarray) -> np.ndarray:
-  x = (x ^ (x >> _S30)) * _M1
-  x = (x ^ (x >> _S27)) * _M2
-  return x ^ (x >> _S31)
-
-
-def changes_hash(pos: np.ndarray, old: np.ndarray, new: np.ndarray) -> int:
-  """The changes hash of elements `pos` going from bits `old` to bits `new` (numpy)."""
-  if not len(pos):
-    return 0
-  p, o, n = pos.astype(np.uint64), old.astype(np.uint64), new.astype(np.uint64)
-  with np.errstate(over="ignore"):
-    if old.itemsize <= 2:  # 24 + 16 + 16 bits: one injective key, one mix
-      h = _mix_np(p | (o << _S24) | (n << _S40))
-    else:
-      h = _mix_np(_mix_np(p * _C + o) ^ n)
-  return int(h.sum(dtype=np.uint64))
 
 
 def _parse(raw, n: int, itemsize: int) -> int:
@@ -95,16 +74,14 @@ def _parse(raw, n: int, itemsize: int) -> int:
 
 
 def _sparse_apply_np(raw: np.ndarray, nnz: int, out: np.ndarray, undo: bool):
-  from sync import codec  # pylint: disable=g-import-not-at-top  (codec imports this module)
-  pos = codec._gaps_to_pos(raw[_HEAD.size:], nnz)  # pylint: disable=protected-access
+  pos = fmt.gaps_to_pos(raw[_HEAD.size:], nnz)
   if pos[-1] >= out.size:
     return -1, 0
-  vals = codec._unzigzag(  # pylint: disable=protected-access
-      codec._unplanes(raw[_HEAD.size + 3 * nnz:], out.dtype, nnz))  # pylint: disable=protected-access
+  vals = fmt.unzigzag(fmt.unplanes(raw[_HEAD.size + 3 * nnz:], out.dtype, nnz))
   old = out[pos]
   new = old - vals if undo else old + vals  # unsigned: wraps
   out[pos] = new  # positions are distinct (gaps >= 0)
-  return 0, changes_hash(pos, old, new)
+  return 0, fmt.changes_hash(pos, old, new)
 
 
 def _make_kernel(isz: int):
@@ -120,8 +97,8 @@ def _make_kernel(isz: int):
     """Applies the first `count` changes; returns (-1, hash), or (k, 0) if a position lies
     outside `out`: then only the first k changes were applied.
 
-    Changes more than _ONE_PASS_BYTES apart on average (bf16 below 2.5% changed) go in blocks of
-    _BLOCK: first the positions are decoded and the old words gathered in a tight loop (many
+    Changes more than ONE_PASS_BYTES apart on average (bf16 below 2.5% changed) go in blocks of
+    BLOCK: first the positions are decoded and the old words gathered in a tight loop (many
     cache misses in flight: there nearly every change is its own miss, and a loop that also
     scatters and hashes keeps too few outstanding, 3x slower at 1%), then values are rebuilt,
     written and hashed from L1. Denser changes go in one pass.
@@ -131,7 +108,7 @@ def _make_kernel(isz: int):
     v0 = g0 + 3 * nnz
     p = -1
     acc = _ZERO
-    if nnz * _ONE_PASS_BYTES >= n * isz:  # dense: one pass (hardware prefetch follows the
+    if nnz * ONE_PASS_BYTES >= n * isz:  # dense: one pass (hardware prefetch follows the
       for i in range(count):  # stream; blocking measured 1.8x slower at 4%)
         p += 1 + (np.int64(raw[g0 + i]) | (np.int64(raw[g0 + nnz + i]) << 8) |
                   (np.int64(raw[g0 + 2 * nnz + i]) << 16))
@@ -149,10 +126,10 @@ def _make_kernel(isz: int):
         else:
           acc += mix(mix(np.uint64(p) * _C + old) ^ new)
       return -1, acc
-    pos = np.empty(_BLOCK, np.int64)
-    olds = np.empty(_BLOCK, np.uint64)
-    for s0 in range(0, count, _BLOCK):
-      m = min(_BLOCK, count - s0)
+    pos = np.empty(BLOCK, np.int64)
+    olds = np.empty(BLOCK, np.uint64)
+    for s0 in range(0, count, BLOCK):
+      m = min(BLOCK, count - s0)
       for j in range(m):
         i = s0 + j
         p += 1 + (np.int64(raw[g0 + i]) | (np.int64(raw[g0 + nnz + i]) << 8) |
@@ -182,7 +159,6 @@ def _make_kernel(isz: int):
 
 if HAVE_NUMBA:
   _KERNELS = {isz: _make_kernel(isz) for isz in (1, 2, 4, 8)}
-
 
 
 def sparse_apply(raw, out: np.ndarray, undo: bool = False, use_numba: bool | None = None):
@@ -218,11 +194,10 @@ def sparse_apply(raw, out: np.ndarray, undo: bool = False, use_numba: bool | Non
 
 
 def warm_up() -> None:
-  """Compiles the kernels for the common word sizes (a few seconds, once per process)."""
+  """Compiles the SPARSE kernels for the common word sizes (once per process; `codec.warm_up`
+  compiles every kernel the codec runs)."""
   if HAVE_NUMBA:
     body = _HEAD.pack(1) + bytes(3) + bytes(8)
     for dt in (np.uint16, np.uint32):
       sparse_apply(body[:_HEAD.size + 3 + np.dtype(dt).itemsize], np.zeros(1, dt))
       sparse_apply(body[:_HEAD.size + 3 + np.dtype(dt).itemsize], np.zeros(1, dt), undo=True)
-  from sync import unit_kernels  # pylint: disable=g-import-not-at-top  (it imports this module)
-  unit_kernels.warm_up()

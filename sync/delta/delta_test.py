@@ -11,6 +11,7 @@ import pytest
 from sync import delta
 from sync import synthetic
 from sync import weights
+from sync.delta import api
 
 BF16 = ml_dtypes.bfloat16
 
@@ -151,7 +152,7 @@ def _records(blob):
   head, recs = blob[:pos], []
   while blob[pos:pos + len(delta.END_MAGIC)] != delta.END_MAGIC:
     plen = struct.unpack_from("<Q", blob, pos + 12)[0]
-    end = pos + delta._REC.size + delta._CHECK.size + plen  # pylint: disable=protected-access
+    end = pos + api._REC.size + api._CHECK.size + plen  # pylint: disable=protected-access
     recs.append(blob[pos:end])
     pos = end
   return head, recs, blob[pos:]
@@ -295,7 +296,7 @@ def test_changes_check_hashes_busy_chunks_whole_and_still_rolls_back():
   base, new = _pair(frac=0.15)
   blob = delta.encode(base, new, chunk_elems=20_000)
   kinds = delta.decode_stream(base, blob)[1].chunks
-  assert kinds == {"sparse_unit": 13} and delta._CHANGES_HASH_LIMIT < 0.13
+  assert kinds == {"sparse_unit": 13} and api._CHANGES_HASH_LIMIT < 0.13
   parent = weights.digest(base, 20_000)
   held = _copy(base)
   assert _same_bits(delta.apply_inplace(held, blob, expect_parent=parent)[0], new)
@@ -310,9 +311,9 @@ def test_changes_check_hashes_busy_chunks_whole_and_still_rolls_back():
 
 def test_format_2_blobs_still_decode_and_kinds_are_checked_per_format(monkeypatch):
   base, new = _pair()
-  from sync import codec  # pylint: disable=g-import-not-at-top
+  from sync.delta import codec  # pylint: disable=g-import-not-at-top
   with monkeypatch.context() as m:  # what the format-2 encoder wrote: SPARSE records
-    m.setattr(delta, "FORMAT", 2)
+    m.setattr(api, "FORMAT", 2)
     m.setattr(codec, "_MAX_EXCEPTIONS", -1)
     old = delta.encode(base, new, chunk_elems=50_000)
   assert delta.read_header(old)["format"] == 2
@@ -322,7 +323,7 @@ def test_format_2_blobs_still_decode_and_kinds_are_checked_per_format(monkeypatc
   delta.apply_inplace(held, old, expect_parent=weights.digest(base, 50_000))
   assert _same_bits(held, new)
   with monkeypatch.context() as m:  # a format-2 header over SPARSE_UNIT records
-    m.setattr(delta, "FORMAT", 2)
+    m.setattr(api, "FORMAT", 2)
     mixed = delta.encode(base, new, chunk_elems=50_000)
   with pytest.raises(delta.DeltaError, match="not valid in format 2"):
     delta.decode(base, mixed)
@@ -331,7 +332,7 @@ def test_format_2_blobs_still_decode_and_kinds_are_checked_per_format(monkeypatc
     delta.apply_inplace(held, mixed)
   assert _same_bits(held, base)
   with monkeypatch.context() as m:
-    m.setattr(delta, "FORMAT", 9)
+    m.setattr(api, "FORMAT", 9)
     future = delta.encode(base, new, chunk_elems=50_000)
   with pytest.raises(delta.DeltaError, match="unsupported format 9"):
     delta.decode(base, future)

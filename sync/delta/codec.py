@@ -2,148 +2,87 @@
 
 What: `encode_chunk(base, new)` turns two equally long unsigned-integer views of the same
 tensor chunk (the bit patterns of bf16/fp16/fp32 weights) into a compressed payload, and
-`decode_chunk` rebuilds `new` bit-exactly from `base` and that payload.
+`decode_chunk` rebuilds `new` bit-exactly from `base` and that payload. The payload layouts
+are defined in `chunk_format`; this module chooses between them and drives the kernels.
 
-Why this encoding. An RL step on the sampler's bf16 copy leaves ~95-99% of the weights
-bit-identical, and a weight that does change usually moves by one or two ulps. Three facts
-follow:
+Why this encoding. An RL step on the sampler's bf16 copy leaves most weights bit-identical,
+and a weight that does change usually moves by one or two ulps. Three facts follow:
 
 * Positions carry most of the information. We store them as gaps (number of unchanged
   elements before each changed one). With a changed fraction p the gaps are roughly geometric,
-  whose entropy, -log2-weighted, is H(p)/p bits per changed element (6 bits at p=4%). The gaps
-  are split into byte planes (low bytes, then middle, then high) so zstd's Huffman stage sees a
-  stream of small symbols and the upper planes collapse to almost nothing.
+  whose entropy is H(p)/p bits per changed element. The gaps are split into byte planes (low
+  bytes, then middle, then high) so zstd's Huffman stage sees a stream of small symbols and the
+  upper planes collapse to almost nothing.
 * Values are stored as the *integer difference of bit patterns*, zig-zag mapped, not as XOR.
   IEEE floats are sign-magnitude, so within one sign the bit pattern is monotonic in the value:
   a step of k ulps is a difference of exactly k, even across an exponent boundary. XOR instead
   smears a +1 carry over several low bits (x ^ (x+1) = 0b0111..1), costing ~2 bits of entropy
   where the zig-zag difference costs ~1. Zig-zag maps +-1 to 2/1, so the high byte planes are
   all zero and vanish under zstd.
-* Most changes are one step: +-1 in the integer bit pattern. The SPARSE_UNIT form folds that
-  sign into the gap: one code (gap << 1) | sign per change (byte planes, as few as the largest
-  code needs), plus an exception list (gaps between the indices of the other changes, their
-  zig-zag differences) for other steps. Against SPARSE (3 gap planes + the value planes) that
-  is ~7% smaller on +-1 ulp updates and, more to the point, zstd's Huffman stage has half the
-  symbols to decode and the kernel a third of the bytes to read: at 4% changed, per 128 MB on
-  one core, zstd 5.3 -> 2.5 ms and the kernel 10.9 -> ~6.9 ms. Real learner steps (AdamW, lr
-  1e-6 .. 1e-5) have 80-89% +-1 steps (small weights have small ulps); the encoder uses
-  SPARSE_UNIT when at most a quarter of the changes are exceptions, SPARSE otherwise.
+* Most changes are one step: +-1 in the integer bit pattern (real learner steps with AdamW at
+  RL learning rates: small weights have small ulps). The SPARSE_UNIT form folds that sign into
+  the gap: one code (gap << 1) | sign per change, plus an exception list for other steps.
+  Against SPARSE (3 gap planes + the value planes) that is a little smaller and, more to the
+  point, zstd's Huffman stage has half the symbols to decode and the kernel a third of the
+  bytes to read. The encoder uses SPARSE_UNIT when at most a quarter of the changes are
+  exceptions, SPARSE otherwise.
 
 For dense changes the position stream stops paying for itself. With mostly +-1 steps the
-encoder then uses DENSE_UNIT: a 2-bit symbol per element (same, +1, -1; four per byte, zstd)
-plus the exception list. From ~20% changed it is about as small as SPARSE_UNIT (1.6% larger at
-25%) and decodes in one streaming pass instead of one step per change (see `unit_kernels`).
-For other steps it can also use a DENSE form (zig-zag difference of every element, byte-plane
-split, zstd). Measured on +-1 ulp updates (format 2), SPARSE stays smaller than DENSE up to
-~50% changed (0.76x at 30%), and is also 3-10x cheaper to compress, so the encoder first
-estimates the changed fraction from a small sample (32 blocks of 512 elements) and only then
-does the work of one form: below 20% sparse; from 20% DENSE_UNIT if the steps allow it; else
-sparse below 40%, dense above 60%, both (keep the smaller) in between. A wrong estimate costs
-size, never correctness.
+encoder then uses DENSE_UNIT: a 2-bit symbol per element (same, +1, -1) plus the exception
+list. From ~20% changed it is about as small as SPARSE_UNIT and decodes in one streaming pass
+instead of one step per change (see `unit_kernels`). For other steps it can also use a DENSE
+form (zig-zag difference of every element, byte-plane split, zstd). On +-1 ulp updates SPARSE
+stays smaller than DENSE up to about half the elements changed and is also much cheaper to
+compress, so the encoder first estimates the changed fraction from a small sample (32 blocks
+of 512 elements) and only then does the work of one form: below 20% sparse; from 20%
+DENSE_UNIT if the steps allow it; else sparse below 40%, dense above 60%, both (keep the
+smaller) in between. A wrong estimate costs size, never correctness.
 Chunks that are identical cost a few bytes (SAME). Tensors without a usable base are stored RAW
 (byte planes of the new bits, zstd).
 
 Decoding: `apply_chunk` adds a payload's changes into a chunk in place (or subtracts them
 again to undo: unsigned arithmetic wraps, so the subtraction is the exact inverse), with a cost
 proportional to the changed elements (DENSE_UNIT: one streaming pass); SPARSE, SPARSE_UNIT and
-DENSE_UNIT chunks go through the fused kernels in `kernels` and `unit_kernels` (numba when
-installed); the sparse ones also return the chunk's *changes hash*. The encoder computes the
-same hash over (position, old bits, new bits) of every changed element, so a caller that knows
-its chunk held the parent's bits can check the result without hashing the whole chunk.
-`decode_changes` / `apply_changes` are the plain numpy forms (DENSE and RAW use them).
+DENSE_UNIT chunks go through the fused kernels in `sparse_kernels` and `unit_kernels` (numba
+when installed); the sparse ones also return the chunk's *changes hash*. The encoder computes
+the same hash (`chunk_format.changes_hash`) over (position, old bits, new bits) of every
+changed element, so a caller that knows its chunk held the parent's bits can check the result
+without hashing the whole chunk. `decode_changes` / `apply_changes` are the plain numpy forms
+(DENSE and RAW use them).
 
 Every zstd frame carries its own content checksum, so a flipped bit in a payload fails loudly
 in `decode_changes`; the caller additionally checks a hash of every rebuilt chunk.
 """
 
-import struct
-
 import numpy as np
 import zstandard
 
-from sync import kernels
-from sync import unit_kernels
+from sync.delta import chunk_format as fmt
+from sync.delta import sparse_kernels
+from sync.delta import unit_kernels
 
-SAME = 0  # Chunk unchanged: empty payload.
-SPARSE = 1  # Gap byte planes + zig-zag value byte planes.
-DENSE = 2  # Zig-zag difference of every element, byte planes.
-RAW = 3  # New bits only (no base), byte planes.
-SPARSE_UNIT = 4  # (gap << 1 | sign) code planes + exceptions (blob format >= 3).
-DENSE_UNIT = 5  # 2-bit symbol per element + exceptions (blob format >= 3).
-KIND_NAMES = {SAME: "same", SPARSE: "sparse", DENSE: "dense", RAW: "raw",
-              SPARSE_UNIT: "sparse_unit", DENSE_UNIT: "dense_unit"}
-SPARSE_KINDS = (SPARSE, SPARSE_UNIT)
+# The chunk kinds `encode_chunk` returns and the chunk size limit (`chunk_format`).
+SAME, SPARSE, DENSE, RAW = fmt.SAME, fmt.SPARSE, fmt.DENSE, fmt.RAW
+SPARSE_UNIT, DENSE_UNIT = fmt.SPARSE_UNIT, fmt.DENSE_UNIT
+KIND_NAMES, SPARSE_KINDS = fmt.KIND_NAMES, fmt.SPARSE_KINDS
+MAX_CHUNK_ELEMS = fmt.MAX_CHUNK_ELEMS
 
 # Below this sampled changed fraction only the sparse form is built, above _DENSE_ONLY only the
-# dense one; in between both (see the module docstring for the measurements).
+# dense one; in between both (see the module docstring).
 _SPARSE_ONLY = 0.4
 _DENSE_ONLY = 0.6
 _SAMPLE_BLOCKS = 32
 _SAMPLE_BLOCK = 512
-# Gaps are stored in three byte planes, so a chunk may hold at most 2**24 elements.
-MAX_CHUNK_ELEMS = 1 << 24
 
-_SPARSE_HEAD = struct.Struct("<I")  # number of changed elements
-# SPARSE_UNIT: changed elements, exceptions, bytes per code; then the code planes, the gaps
-# between the exceptions' change indices (3 byte planes), their zig-zag differences (planes).
-_UNIT_HEAD = unit_kernels.UNIT_HEAD
+_SPARSE_HEAD = fmt.SPARSE_HEAD
+_UNIT_HEAD = fmt.UNIT_HEAD
 _MAX_EXCEPTIONS = 1 / 4  # of the changes, for SPARSE_UNIT and DENSE_UNIT
-# DENSE_UNIT: elements, exceptions; then the packed symbols (ceil(n / 4) bytes), the gaps
-# between the exceptions' positions (3 byte planes), their zig-zag differences (planes).
-_DENSE_UNIT_HEAD = unit_kernels.DENSE_UNIT_HEAD
+_DENSE_UNIT_HEAD = fmt.DENSE_UNIT_HEAD
 _DENSE_UNIT_FROM = 0.2  # sampled changed fraction from which DENSE_UNIT is tried first
 
 
 class CodecError(ValueError):
   """A payload is damaged or does not fit the chunk it is applied to."""
-
-
-def _signed(dtype):
-  return np.dtype(f"i{np.dtype(dtype).itemsize}")
-
-
-def _planes(words: np.ndarray) -> bytes:
-  """Byte-plane split: all low bytes, then all next bytes, ... (little-endian)."""
-  return np.ascontiguousarray(words.view(np.uint8).reshape(-1, words.itemsize).T).tobytes()
-
-
-def _unplanes(buf, dtype, count: int) -> np.ndarray:
-  """Inverse of `_planes` (shift-or of each plane: no strided transpose)."""
-  dtype = np.dtype(dtype)
-  planes = np.frombuffer(buf, np.uint8, count * dtype.itemsize).reshape(dtype.itemsize, count)
-  out = planes[0].astype(dtype)
-  for i in range(1, dtype.itemsize):
-    out |= planes[i].astype(dtype) << dtype.type(8 * i)
-  return out
-
-
-def _zigzag(diff_unsigned: np.ndarray) -> np.ndarray:
-  """Maps a wrapped difference d (as unsigned) to (d << 1) ^ (d >> (bits-1)) (unsigned)."""
-  bits = diff_unsigned.itemsize * 8
-  s = diff_unsigned.view(_signed(diff_unsigned.dtype))
-  return ((s << 1) ^ (s >> (bits - 1))).view(diff_unsigned.dtype)
-
-
-def _unzigzag(z: np.ndarray) -> np.ndarray:
-  one = z.dtype.type(1)
-  return (z >> one) ^ (-(z & one).view(_signed(z.dtype))).view(z.dtype)
-
-
-def _gap_planes(pos: np.ndarray) -> bytes:
-  gaps = np.diff(pos, prepend=-1) - 1
-  g = gaps.astype("<u4")
-  return np.ascontiguousarray(g.view(np.uint8).reshape(-1, 4)[:, :3].T).tobytes()
-
-
-def _gaps_to_pos(buf, count: int) -> np.ndarray:
-  p = np.frombuffer(buf, np.uint8, count * 3)
-  g = p[:count].astype(np.uint32)
-  g |= p[count:2 * count].astype(np.uint32) << np.uint32(8)
-  g |= p[2 * count:].astype(np.uint32) << np.uint32(16)
-  g += np.uint32(1)
-  pos = np.cumsum(g, dtype=np.intp)
-  pos -= 1
-  return pos
 
 
 def _unit_body(pos: np.ndarray, diff: np.ndarray):
@@ -157,9 +96,9 @@ def _unit_body(pos: np.ndarray, diff: np.ndarray):
   codes = (gaps.astype(np.uint32) << np.uint32(1)) | minus
   cb = max(1, (int(codes.max()).bit_length() + 7) // 8)
   code_planes = np.ascontiguousarray(codes.view(np.uint8).reshape(-1, 4)[:, :cb].T)
-  idx = _gap_planes(exc)
+  idx = fmt.gap_planes(exc)
   return (_UNIT_HEAD.pack(pos.size, exc.size, cb) + code_planes.tobytes() + idx +
-          _planes(_zigzag(diff[exc])))
+          fmt.planes(fmt.zigzag(diff[exc])))
 
 
 def _dense_unit_body(diff: np.ndarray, nnz: int):
@@ -173,9 +112,9 @@ def _dense_unit_body(diff: np.ndarray, nnz: int):
   sym = one.view(np.uint8) | (minus.view(np.uint8) << np.uint8(1))
   sym = np.concatenate([sym, np.zeros(-sym.size % 4, np.uint8)]).reshape(-1, 4)
   packed = sym[:, 0] | (sym[:, 1] << 2) | (sym[:, 2] << 4) | (sym[:, 3] << 6)
-  idx = _gap_planes(exc)
+  idx = fmt.gap_planes(exc)
   return (_DENSE_UNIT_HEAD.pack(diff.size, exc.size) + packed.tobytes() + idx +
-          _planes(_zigzag(diff[exc])))
+          fmt.planes(fmt.zigzag(diff[exc])))
 
 
 def sample_fraction(base: np.ndarray, new: np.ndarray) -> float:
@@ -198,11 +137,11 @@ def encode_chunk(base, new, cctx: zstandard.ZstdCompressor):
 
   Returns:
     (kind, payload bytes, number of changed elements, changes hash): the last is
-    `kernels.changes_hash` of the changed elements for SPARSE and SPARSE_UNIT chunks, 0 for
+    `chunk_format.changes_hash` of the changed elements for SPARSE and SPARSE_UNIT chunks, 0 for
     the other kinds.
   """
   if base is None:
-    return RAW, cctx.compress(_planes(new)), new.size, 0
+    return RAW, cctx.compress(fmt.planes(new)), new.size, 0
   frac = sample_fraction(base, new)
   if frac >= _DENSE_UNIT_FROM:
     diff = new - base  # unsigned: wraps, exactly undone by the decoder's addition
@@ -213,7 +152,7 @@ def encode_chunk(base, new, cctx: zstandard.ZstdCompressor):
     if body is not None:
       return DENSE_UNIT, cctx.compress(body), nnz, 0
     if frac >= _DENSE_ONLY:
-      return DENSE, cctx.compress(_planes(_zigzag(diff))), nnz, 0
+      return DENSE, cctx.compress(fmt.planes(fmt.zigzag(diff))), nnz, 0
   pos = np.flatnonzero(base != new)
   nnz = pos.size
   if nnz == 0:
@@ -223,14 +162,14 @@ def encode_chunk(base, new, cctx: zstandard.ZstdCompressor):
   body = _unit_body(pos, diff)
   kind = SPARSE if body is None else SPARSE_UNIT
   if body is None:
-    body = _SPARSE_HEAD.pack(nnz) + _gap_planes(pos) + _planes(_zigzag(diff))
+    body = _SPARSE_HEAD.pack(nnz) + fmt.gap_planes(pos) + fmt.planes(fmt.zigzag(diff))
   sparse = cctx.compress(body)
   if nnz < _SPARSE_ONLY * new.size:
-    return kind, sparse, nnz, kernels.changes_hash(pos, old, upd)
-  dense = cctx.compress(_planes(_zigzag(new - base)))
+    return kind, sparse, nnz, fmt.changes_hash(pos, old, upd)
+  dense = cctx.compress(fmt.planes(fmt.zigzag(new - base)))
   if len(dense) < len(sparse):
     return DENSE, dense, nnz, 0
-  return kind, sparse, nnz, kernels.changes_hash(pos, old, upd)
+  return kind, sparse, nnz, fmt.changes_hash(pos, old, upd)
 
 
 def _decompress(kind: int, payload, n: int, itemsize: int, dctx):
@@ -272,7 +211,7 @@ def apply_chunk(kind: int, payload, out: np.ndarray, dctx: zstandard.ZstdDecompr
       changes (the unit kinds copy and apply in one pass through memory).
 
   Returns:
-    The changes hash (see `kernels`), or None where it was not asked for or the kind has none.
+    The changes hash (see `chunk_format`), or None where it was not asked for or the kind has none.
 
   Raises:
     CodecError: damaged payload, or one that does not fit the chunk; `out` is unchanged
@@ -297,7 +236,7 @@ def apply_chunk(kind: int, payload, out: np.ndarray, dctx: zstandard.ZstdDecompr
   nnz = _SPARSE_HEAD.unpack_from(raw)[0] if len(raw) >= _SPARSE_HEAD.size else 0
   want = 0 < nnz <= hash_limit * out.size
   if kind == SPARSE:
-    h = kernels.sparse_apply(raw, out, undo)
+    h = sparse_kernels.sparse_apply(raw, out, undo)
   else:
     h = unit_kernels.unit_apply(raw, out, undo, want_hash=want, src=src)
   if h is None:
@@ -329,15 +268,14 @@ def decode_changes(kind: int, payload, n: int, dtype, dctx: zstandard.ZstdDecomp
   if kind in (RAW, DENSE):
     if len(raw) != n * itemsize:
       raise CodecError(f"{KIND_NAMES[kind].upper()} payload has the wrong length")
-    words = _unplanes(raw, dtype, n)
-    return words if kind == RAW else _unzigzag(words)
+    words = fmt.unplanes(raw, dtype, n)
+    return words if kind == RAW else fmt.unzigzag(words)
   if kind == SPARSE_UNIT:
     parsed = unit_kernels.parse_unit(np.frombuffer(raw, np.uint8), n, itemsize)
     if parsed is None:
       raise CodecError("SPARSE_UNIT payload has the wrong length or layout")
     nnz, cb, idx, vals = parsed
-    c = unit_kernels._planes_to_u64(  # pylint: disable=protected-access
-        np.frombuffer(raw, np.uint8, nnz * cb, _UNIT_HEAD.size), nnz, cb)
+    c = fmt.planes_to_u64(np.frombuffer(raw, np.uint8, nnz * cb, _UNIT_HEAD.size), nnz, cb)
     pos = np.cumsum((c >> np.uint64(1)).astype(np.intp) + 1) - 1
     if pos[-1] >= n:
       raise CodecError("SPARSE_UNIT position outside the chunk")
@@ -347,10 +285,11 @@ def decode_changes(kind: int, payload, n: int, dtype, dctx: zstandard.ZstdDecomp
   (nnz,) = _SPARSE_HEAD.unpack_from(raw)
   if not 0 < nnz <= n or len(raw) != _SPARSE_HEAD.size + nnz * (3 + itemsize):
     raise CodecError("SPARSE payload has the wrong length")
-  pos = _gaps_to_pos(memoryview(raw)[_SPARSE_HEAD.size:], nnz)
+  pos = fmt.gaps_to_pos(memoryview(raw)[_SPARSE_HEAD.size:], nnz)
   if pos[-1] >= n:
     raise CodecError("SPARSE position outside the chunk")
-  values = _unzigzag(_unplanes(memoryview(raw)[_SPARSE_HEAD.size + 3 * nnz:], dtype, nnz))
+  values = fmt.unzigzag(
+      fmt.unplanes(memoryview(raw)[_SPARSE_HEAD.size + 3 * nnz:], dtype, nnz))
   return pos, values
 
 
@@ -387,3 +326,10 @@ def decode_chunk(kind: int, payload, base, out, dctx: zstandard.ZstdDecompressor
   if base is None and kind != RAW:
     raise CodecError(f"chunk kind {kind} needs a base")
   apply_chunk(kind, payload, out, dctx, hash_limit=0.0, src=base)  # the caller hashes the result
+
+
+def warm_up() -> None:
+  """Compiles the numba kernels `apply_chunk` runs for the common word sizes (a few seconds,
+  once per process), so that no caller's first timed or served apply pays for it."""
+  sparse_kernels.warm_up()
+  unit_kernels.warm_up()

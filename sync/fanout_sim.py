@@ -13,7 +13,7 @@ the learner's step to serving the new weights and the pause it saw.
 Why: the real system (1 TB model, four clusters, thousands of hosts) cannot run here; the
 per-byte costs (encode/decode bytes per second per core, compression ratio) are measured on
 this machine by `sync.bench` and plugged in, and the rest (link speeds, topology) are stated
-assumptions. Small cases have answers computable by hand (see sim_test).
+assumptions. Small cases have answers computable by hand (see fanout_sim_test).
 """
 
 import dataclasses

@@ -1,51 +1,47 @@
-"""Kernels for the unit-step chunk forms: SPARSE_UNIT and DENSE_UNIT (see `codec`).
+"""Kernels for the unit-step chunk forms: SPARSE_UNIT and DENSE_UNIT (see `chunk_format`).
 
 What: `unit_apply(raw, out)` adds a decompressed SPARSE_UNIT body into `out` in place, like
-`kernels.sparse_apply` does for SPARSE, and returns the same changes hash. The body holds one
-code per change, (gap << 1) | sign, where the sign bit says +1 or -1 in the word's integer bit
-pattern (one ulp down or up within a sign), and an exception list for the other steps.
-Folding the sign into the gap code halves the bytes zstd's entropy stage must produce (5 -> ~2
-per bf16 change at 4%, 2.5x faster to decompress) and the kernel reads one or two planes
-instead of five. The hash is optional here: a caller that checks the rebuilt chunk's xxh3
-anyway (check="result", or chunks with many changes) skips it; when it is wanted, the loops
-store each change's key in an L1-resident block and a separate loop mixes and sums the block,
-which LLVM vectorizes (AVX-512 64-bit multiplies here): per 128 MB at 4% changed the hash went
-from ~3.5 ms to ~1.5 ms.
+`sparse_kernels.sparse_apply` does for SPARSE, and returns the same changes hash. The body
+holds one code per change, (gap << 1) | sign, where the sign bit says +1 or -1 in the word's
+integer bit pattern (one ulp down or up within a sign), and an exception list for the other
+steps. Folding the sign into the gap code roughly halves the bytes zstd's entropy stage must
+produce per bf16 change, and the kernel reads one or two planes instead of five. The hash is
+optional here: a caller that checks the rebuilt chunk's xxh3 anyway (check="result", or chunks
+with many changes) skips it; when it is wanted, the loops store each change's key in an
+L1-resident block and a separate loop mixes and sums the block, which LLVM vectorizes (64-bit
+multiplies in vector registers), instead of mixing change by change.
 
 `dense_unit_apply` applies a DENSE_UNIT body: a 2-bit symbol per element (0 same, 1 +1,
 2 -1; four per byte) and a list of exceptions (position, zig-zag difference). Above ~20%
-changed, walking positions one change at a time (~1 ns each) costs more than one streaming
-pass over the chunk; for 16-bit words the pass is SWAR: one multiply spreads a byte's four
-symbols into the four 16-bit lanes of a u64, and a carry-free lane-wise add applies them
-(memory-bound; measured 2x faster than the per-element loop and at memcpy speed).
+changed, walking positions one change at a time costs more than one streaming pass over the
+chunk; for 16-bit words the pass is SWAR: one multiply spreads a byte's four symbols into the
+four 16-bit lanes of a u64, and a carry-free lane-wise add applies them (memory-bound, where
+the per-element loop is not).
 
 Both forms list the other steps as exceptions: the gaps between their indices (3 byte planes)
 and their zig-zag differences, decoded and checked in one compiled pass (`_exceptions`). Like
-`kernels`, everything also runs as numpy code when numba is missing (bit-identical, tested).
+`sparse_kernels` (whose numba loading, splitmix64 finaliser, block size and loop choice this
+module shares), everything also runs as numpy code when numba is missing (bit-identical,
+tested).
 """
-
-import struct
 
 import numpy as np
 
-from sync import kernels
+from sync.delta import chunk_format as fmt
+from sync.delta import sparse_kernels
 
-HAVE_NUMBA = kernels.HAVE_NUMBA
-numba = kernels.numba
-changes_hash = kernels.changes_hash
-# Shared with `kernels` (the same hash, block size and loop choice).
-# pylint: disable=protected-access
-_C = kernels._C
-_S24, _S40 = kernels._S24, kernels._S40
-_ONE, _ZERO = kernels._ONE, kernels._ZERO
-_BLOCK, _ONE_PASS_BYTES = kernels._BLOCK, kernels._ONE_PASS_BYTES
-# pylint: enable=protected-access
+HAVE_NUMBA = sparse_kernels.HAVE_NUMBA
+numba = sparse_kernels.numba
+# numba reads module globals as compile-time constants: the hash's and the shared loop
+# choice's, bound here.
+_C = fmt.HASH_C
+_S24, _S40 = fmt.KEY_OLD_SHIFT, fmt.KEY_NEW_SHIFT
+_ONE, _ZERO = np.uint64(1), np.uint64(0)
+_BLOCK, _ONE_PASS_BYTES = sparse_kernels.BLOCK, sparse_kernels.ONE_PASS_BYTES
 
-# SPARSE_UNIT body head: count, exceptions, bytes per code (`codec._UNIT_HEAD`).
-UNIT_HEAD = struct.Struct("<IIB")
+UNIT_HEAD = fmt.UNIT_HEAD
 _UNIT_HEAD_SIZE = 9
-# DENSE_UNIT body head: elements, exceptions (`codec._DENSE_UNIT_HEAD`).
-DENSE_UNIT_HEAD = struct.Struct("<II")
+DENSE_UNIT_HEAD = fmt.DENSE_UNIT_HEAD
 _SPREAD = np.uint64(1 + (1 << 14) + (1 << 28) + (1 << 42))  # byte -> its 2-bit fields in lanes
 _LANES3 = np.uint64(0x0003000300030003)
 _LANES1 = np.uint64(0x0001000100010001)
@@ -59,16 +55,16 @@ _NO_EXC_VAL = np.zeros(0, np.uint64)
 
 
 def _make_unit_kernel(isz: int, undo: bool, want_hash: bool, fill: bool):
-  """The numba SPARSE_UNIT kernel for words of `isz` bytes (loops as `kernels._make_kernel`'s;
-  the hash per block, see the module docstring). `undo`, `want_hash` and `fill` are fixed per
-  compiled kernel, and indices are unsigned: per change at 4% changed that took the one-pass
-  loop from ~1.75 to ~1.0 ns in place (no per-change branches on the flags, no negative-index
-  wrap-around checks) and kept the fill's copy loops vectorized."""
+  """The numba SPARSE_UNIT kernel for words of `isz` bytes (loops as the SPARSE kernel's in
+  `sparse_kernels`; the hash per block, see the module docstring). `undo`, `want_hash` and
+  `fill` are fixed per compiled kernel, and indices are unsigned: that keeps per-change
+  branches on the flags and negative-index wrap-around checks out of the one-pass loop, and
+  kept the fill's copy loops vectorized."""
   mask = ~_ZERO if isz == 8 else np.uint64((1 << (8 * isz)) - 1)
   small = isz <= 2
   head = np.uint64(_UNIT_HEAD_SIZE)
 
-  mix = kernels.mix_nb
+  mix = sparse_kernels.mix_nb
 
   @numba.njit(nogil=True, cache=False)
   def block_hash(ka, kb, m):
@@ -113,7 +109,7 @@ def _make_unit_kernel(isz: int, undo: bool, want_hash: bool, fill: bool):
     acc = _ZERO
     ka = np.empty(_BLOCK if want_hash else 1, np.uint64)
     kb = np.empty(_BLOCK if want_hash and not small else 1, np.uint64)
-    if nnz * _ONE_PASS_BYTES >= n * isz:  # dense enough for one pass (see `_make_kernel`)
+    if nnz * _ONE_PASS_BYTES >= n * isz:  # dense enough for one pass (see `sparse_kernels`)
       j = 0
       for i in range(count):
         # The code's byte planes, written out here: a helper function (even numba-inlined)
@@ -296,8 +292,8 @@ def _exceptions(buf, e0: int, nexc: int, itemsize: int, limit: int, packed, use_
   if use_numba:
     ok, pos, vals = _exceptions_nb(buf, e0, nexc, itemsize, limit, packed)
     return (pos, vals) if ok else None
-  pos = np.cumsum(_planes_to_u64(buf[e0:e0 + 3 * nexc], nexc, 3).astype(np.int64) + 1) - 1
-  z = _planes_to_u64(buf[e0 + 3 * nexc:e0 + (3 + itemsize) * nexc], nexc, itemsize)
+  pos = np.cumsum(fmt.planes_to_u64(buf[e0:e0 + 3 * nexc], nexc, 3).astype(np.int64) + 1) - 1
+  z = fmt.planes_to_u64(buf[e0 + 3 * nexc:e0 + (3 + itemsize) * nexc], nexc, itemsize)
   mask = ~_ZERO if itemsize == 8 else np.uint64((1 << (8 * itemsize)) - 1)
   vals = ((z >> _ONE) ^ (_ZERO - (z & _ONE))) & mask  # un-zig-zag, as `itemsize` words
   if pos[-1] >= limit or not np.all(vals):
@@ -305,14 +301,6 @@ def _exceptions(buf, e0: int, nexc: int, itemsize: int, limit: int, packed, use_
   if packed.size and np.any((packed[pos >> 2] >> (2 * (pos & 3)).astype(np.uint8)) & 3):
     return None
   return pos, vals
-
-
-def _planes_to_u64(buf: np.ndarray, count: int, nplanes: int) -> np.ndarray:
-  """`count` little-endian integers stored as `nplanes` byte planes, as uint64."""
-  out = np.zeros(count, np.uint64)
-  for b in range(nplanes):
-    out |= buf[b * count:(b + 1) * count].astype(np.uint64) << np.uint64(8 * b)
-  return out
 
 
 def parse_unit(buf: np.ndarray, n: int, itemsize: int, use_numba: bool = False):
@@ -336,7 +324,7 @@ def parse_unit(buf: np.ndarray, n: int, itemsize: int, use_numba: bool = False):
 
 
 def _unit_apply_np(buf, nnz, cb, idx, vals, out, undo, want_hash):
-  c = _planes_to_u64(buf[_UNIT_HEAD_SIZE:_UNIT_HEAD_SIZE + cb * nnz], nnz, cb)
+  c = fmt.planes_to_u64(buf[_UNIT_HEAD_SIZE:_UNIT_HEAD_SIZE + cb * nnz], nnz, cb)
   pos = np.cumsum((c >> _ONE).astype(np.int64) + 1) - 1
   if pos[-1] >= out.size:
     return -1, 0
@@ -346,7 +334,7 @@ def _unit_apply_np(buf, nnz, cb, idx, vals, out, undo, want_hash):
   dd = d.astype(out.dtype)  # wraps to the word width: -1 -> all ones
   new = old - dd if undo else old + dd  # unsigned: wraps
   out[pos] = new  # positions are distinct (gaps >= 0)
-  return 0, changes_hash(pos, old, new) if want_hash else 0
+  return 0, fmt.changes_hash(pos, old, new) if want_hash else 0
 
 
 def unit_apply(raw, out: np.ndarray, undo: bool = False, want_hash: bool = True,

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import zstandard
 
-from sync import codec
+from sync.delta import chunk_format as fmt
+from sync.delta import codec
 
 
 def _ctx():
@@ -18,9 +19,9 @@ def _ctx():
 def test_zigzag_roundtrip_covers_extremes(dtype):
   info = np.iinfo(dtype)
   x = np.array([0, 1, 2, info.max, info.max - 1, info.max // 2, info.max // 2 + 1], dtype)
-  np.testing.assert_array_equal(codec._unzigzag(codec._zigzag(x)), x)
+  np.testing.assert_array_equal(fmt.unzigzag(fmt.zigzag(x)), x)
   # Small signed steps map to small codes: +1 -> 2, -1 -> 1.
-  np.testing.assert_array_equal(codec._zigzag(np.array([1, info.max], dtype)), [2, 1])
+  np.testing.assert_array_equal(fmt.zigzag(np.array([1, info.max], dtype)), [2, 1])
 
 
 @pytest.mark.parametrize("frac,kind", [(0.0, codec.SAME), (0.01, codec.SPARSE),
@@ -68,7 +69,7 @@ def test_unit_steps_fold_into_the_gap_codes(dtype):
   kind, payload, nnz, ch = codec.encode_chunk(base, new, cctx)
   assert kind == codec.SPARSE_UNIT and nnz == pos.size
   raw = dctx.decompress(payload)
-  assert codec._UNIT_HEAD.unpack_from(raw) == (pos.size, 0, 4)  # gap n - 5_000_002: 4 bytes
+  assert fmt.UNIT_HEAD.unpack_from(raw) == (pos.size, 0, 4)  # gap n - 5_000_002: 4 bytes
   got_pos, values = codec.decode_changes(kind, payload, n, dtype, dctx)
   np.testing.assert_array_equal(got_pos, pos)
   np.testing.assert_array_equal(values, new[pos] - base[pos])
@@ -90,13 +91,13 @@ def test_unit_steps_fold_into_the_gap_codes(dtype):
   few[idx] += dtype(1)
   few[idx[::20]] += dtype(2)  # 1/20 of the changes are steps of 3
   kind, payload, _, ch = codec.encode_chunk(base, few, cctx)
-  assert kind == codec.SPARSE_UNIT and codec._UNIT_HEAD.unpack_from(
+  assert kind == codec.SPARSE_UNIT and fmt.UNIT_HEAD.unpack_from(
       dctx.decompress(payload))[1] == idx[::20].size
   out = base.copy()
   assert codec.apply_chunk(kind, payload, out, dctx) == ch
   np.testing.assert_array_equal(out, few)
-  sparse = cctx.compress(codec._SPARSE_HEAD.pack(idx.size) + codec._gap_planes(idx) +
-                         codec._planes(codec._zigzag(few[idx] - base[idx])))
+  sparse = cctx.compress(fmt.SPARSE_HEAD.pack(idx.size) + fmt.gap_planes(idx) +
+                         fmt.planes(fmt.zigzag(few[idx] - base[idx])))
   assert len(payload) < len(sparse)
 
 
