@@ -1,9 +1,9 @@
 """Scenarios for the pipeline simulator: calibration here, separate pools, thousands of chips.
 
-What: builders that turn hardware and model figures into `simulator` inputs (decode step time of
-a memory-bound sampler replica, learner seconds per token, weight-sync times from the fan-out
-simulator in `sync.fanout_sim`), the three scenarios the benchmark reports, and `compare`/`sweep`, which
-run the synchronous baseline and asynchronous runs on the same prompts.
+What: builders that turn hardware and model figures into `simulator` inputs (decode step time of a
+memory-bound sampler replica, learner seconds per token, weight-sync times from the fan-out
+simulator in `sync.fanout_sim`), the three scenarios the benchmark reports, and `compare`/`sweep`,
+which run the synchronous baseline and asynchronous runs on the same prompts.
 
 Why: the numbers in BENCHMARKS.md must come from one place, with each assumption written next to
 the figure it sets; `calibration_from_bench` builds the small scenario from the quantities a

@@ -20,10 +20,10 @@ does not depend on N) over the threads, each with its own zstd contexts. Why not
 decompression. So a row's ratio "ours / baseline" compares like with like; `workers=1` gives
 the single-thread rows of both sides.
 GB/s are bytes of model weights per second. `synthetic_pairs` builds RL-like updates (see
-`synthetic`); `load_flat` reads checkpoints (orbax directories or .npz) so two consecutive
-learner checkpoints can be measured the same way; `tools/train_deltas.py` (apart from `sync/`:
-it drives the learner) yields real consecutive versions. `terabyte_report` feeds the measured per-core rates into `fanout_sim`.
-`tools/bench_sync.py` is the command-line entry point.
+`synthetic`); `load_flat` reads checkpoints (orbax directories or .npz) so two consecutive learner
+checkpoints can be measured the same way; `tools/train_deltas.py` (apart from `sync/`: it drives
+the learner) yields real consecutive versions. `terabyte_report` feeds the measured per-core rates
+into `fanout_sim`. `tools/bench_sync.py` is the command-line entry point.
 """
 
 import concurrent.futures

@@ -2,12 +2,12 @@
 
 What: `Subscriber(source, apply_fn)` follows a store (directly, or through relays with
 `transport.HttpSource`). `poll()` reads the index; if a newer version exists it plans the cheapest
-path (delta chain, or newest snapshot plus deltas, see `fetch_plan`), fetches each object, checks its
-size and hash against the manifest, checks each delta's parent digest against the version held,
-decodes it (into fresh arrays, or with `inplace=True` straight into the held arrays, see below),
-verifies the result's digest, and only then calls `apply_fn(flat_weights, version)` (the
-sampling server's swap). It returns an `UpdateReport`
-with the bytes moved, the fetch/decode time and the pause (time inside `apply_fn`).
+path (delta chain, or newest snapshot plus deltas, see `fetch_plan`), fetches each object, checks
+its size and hash against the manifest, checks each delta's parent digest against the version
+held, decodes it (into fresh arrays, or with `inplace=True` straight into the held arrays, see
+below), verifies the result's digest, and only then calls `apply_fn(flat_weights, version)` (the
+sampling server's swap). It returns an `UpdateReport` with the bytes moved, the fetch/decode
+time and the pause (time inside `apply_fn`).
 
 Why all-or-nothing: the sampler keeps serving its current weights while the next version is
 assembled off to the side; a bad or interrupted update (damaged, truncated, foreign or
