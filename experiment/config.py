@@ -7,6 +7,9 @@ from typing import Optional
 
 from moe.config import ModelConfig
 from pipeline.config import PipelineConfig
+from rl.learner import LearnerConfig
+from rl.train_state import OptimizerConfig
+from rl.train_step import LossConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +40,23 @@ class PretrainConfig:
     if self.steps < 0 or self.batch_rows < 1 or self.seq_len < 8 or self.learning_rate <= 0:
       raise ValueError("PretrainConfig: need steps >= 0, batch_rows >= 1, seq_len >= 8, lr > 0")
 
+  def learner_config(self) -> LearnerConfig:
+    """The pre-training learner: next-token loss, AdamW with cosine decay over `steps`."""
+    return LearnerConfig(
+        optimizer=OptimizerConfig(learning_rate=self.learning_rate, schedule="cosine",
+                                  warmup_steps=self.warmup_steps, decay_steps=max(self.steps, 1),
+                                  end_lr_factor=self.end_lr_factor,
+                                  weight_decay=self.weight_decay),
+        loss=LossConfig(objective="next_token"))
+
+
+# The RL learner's defaults. The router's load-balancing and z losses are off: with router replay
+# the learner uses the sampler's experts, and the balancing gradient would only pull the router
+# away from the routing the samples were drawn with. Weights are published in float32, the
+# learner's own precision, so the samplers run exactly the trained policy.
+RL_LEARNER = LearnerConfig(loss=LossConfig(objective="policy", aux_loss=False),
+                           sampler_dtype="float32")
+
 
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
@@ -44,37 +64,25 @@ class RLConfig:
 
   Attributes:
     steps: learner steps (0 skips RL).
-    learning_rate: AdamW learning rate (constant after the warmup).
-    warmup_steps: linear warmup of the learning rate from 0 over this many optimizer steps.
-    pipeline: rollout / staleness / batching settings.
+    pipeline: rollout / staleness / batching settings; its max_staleness is also the learner's
+      staleness bound.
+    learner: optimizer, policy loss, router replay (rl.learner.LearnerConfig, built by
+      rl.learner.build_learner in-process and in the multi-process learner alike).
     num_samplers: in-process sampling engines.
     sampler_slots: decode slots per engine.
-    replay: router replay ("on", "off", "proximal").
-    clip_eps: PPO clip range (the lower one, 1 - clip_eps).
-    clip_eps_high: upper clip range, 1 + clip_eps_high (None: clip_eps). Larger than clip_eps
-      is DAPO's clip-higher: low-probability tokens of good attempts can grow faster.
-    kl_coef: k3 KL penalty to the starting policy (0 disables it).
-    aux_loss: add the router's load-balancing and z losses to the RL loss. Off by default: with
-      router replay the learner uses the sampler's experts, and the balancing gradient would only
-      pull the router away from the routing the samples were drawn with.
   """
   steps: int = 60
-  learning_rate: float = 1e-4
-  warmup_steps: int = 0
   pipeline: PipelineConfig = PipelineConfig()
+  learner: LearnerConfig = RL_LEARNER
   num_samplers: int = 1
   sampler_slots: int = 64
-  replay: str = "on"
-  clip_eps: float = 0.2
-  clip_eps_high: Optional[float] = None
-  kl_coef: float = 0.0
-  aux_loss: bool = False
 
   def __post_init__(self):
-    if self.steps < 0 or self.learning_rate <= 0 or self.num_samplers < 1:
-      raise ValueError("RLConfig: need steps >= 0, learning_rate > 0, num_samplers >= 1")
-    if self.warmup_steps < 0:
-      raise ValueError("RLConfig: need warmup_steps >= 0")
+    if self.steps < 0 or self.num_samplers < 1:
+      raise ValueError("RLConfig: need steps >= 0 and num_samplers >= 1")
+    if self.learner.loss.objective != "policy":
+      raise ValueError(f"RLConfig: the learner's objective must be 'policy', got "
+                       f"{self.learner.loss.objective!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,11 +29,8 @@ from moe import checkpoint as moe_checkpoint
 from moe import sharding
 from pipeline import local
 from pipeline import resources
+from rl import learner as learner_lib
 from rl import pretrain_data
-from rl.learner import Learner
-from rl.objectives import PolicyLossConfig
-from rl.train_state import OptimizerConfig
-from rl.train_step import LossConfig
 from rl.trainer import Trainer
 from rollout.engine import EngineConfig
 
@@ -74,12 +71,7 @@ def pretrain(cfg: ExperimentConfig, run_dir: str, all_tasks, mesh, *,
   t0 = time.time()
   pre_cfg = cfg.model.replace(capacity_factor=cfg.pretrain.capacity_factor)
   p = cfg.pretrain
-  pre = Learner(
-      pre_cfg, mesh=mesh, seed=cfg.seed,
-      opt_cfg=OptimizerConfig(learning_rate=p.learning_rate, schedule="cosine",
-                              warmup_steps=p.warmup_steps, decay_steps=max(p.steps, 1),
-                              end_lr_factor=p.end_lr_factor, weight_decay=p.weight_decay),
-      loss_cfg=LossConfig(objective="next_token"))
+  pre = learner_lib.build_learner(p.learner_config(), pre_cfg, mesh=mesh, seed=cfg.seed)
   if p.steps:
     docs = suite_pyfunc.pretraining_corpus(all_tasks, n_snippets=p.corpus_snippets,
                                            repeats=p.corpus_repeats, seed=cfg.seed)
@@ -100,19 +92,15 @@ def pretrain(cfg: ExperimentConfig, run_dir: str, all_tasks, mesh, *,
   return nnx.merge(nnx.graphdef(build.abstract(cfg.model)), nnx.state(pre.model()))
 
 
-def make_rl_learner(cfg: ExperimentConfig, model, mesh) -> Learner:
-  """The RL learner, starting from `model` (the pre-trained policy)."""
-  r = cfg.rl
-  return Learner(
-      cfg.model, mesh=mesh, seed=cfg.seed, init_model=model, sampler_dtype="float32",
-      opt_cfg=OptimizerConfig(learning_rate=r.learning_rate, warmup_steps=r.warmup_steps),
-      loss_cfg=LossConfig(objective="policy", replay=r.replay, aux_loss=r.aux_loss,
-                          max_staleness=r.pipeline.max_staleness,
-                          policy=PolicyLossConfig(
-                              clip_eps_low=r.clip_eps,
-                              clip_eps_high=(r.clip_eps if r.clip_eps_high is None
-                                             else r.clip_eps_high),
-                              kl_coef=r.kl_coef)))
+def make_rl_learner(cfg: ExperimentConfig, model, mesh) -> learner_lib.Learner:
+  """The RL learner, starting from `model` (the pre-trained policy).
+
+  The same call as the multi-process learner's (pipeline.processes.run_learner): cfg.rl.learner
+  with the pipeline's staleness bound.
+  """
+  return learner_lib.build_learner(cfg.rl.learner, cfg.model, mesh=mesh, seed=cfg.seed,
+                                   init_model=model,
+                                   max_staleness=cfg.rl.pipeline.max_staleness)
 
 
 def eval_split(cfg: ExperimentConfig, tasks: Optional[Sequence] = None):

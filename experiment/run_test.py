@@ -3,10 +3,12 @@ records show episodes, tokens and a non-zero loss every step, and the weights mo
 from rewards that vary within groups (non-zero advantages and policy gradient every step, with
 the router loss off), and the run directory holds what the README promises."""
 
+import dataclasses
 import json
 import os
 import sys
 
+import numpy as np
 import pytest
 
 from experiment import run as run_lib
@@ -16,6 +18,10 @@ from moe import build
 from moe import sharding
 from moe.config import ModelConfig
 from pipeline.config import PipelineConfig
+from rl.learner import LearnerConfig
+from rl.objectives import PolicyLossConfig
+from rl.train_state import OptimizerConfig
+from rl.train_step import LossConfig
 
 TINY = ModelConfig(vocab_size=259, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
                    intermediate_size=64, moe_intermediate_size=32, num_experts=4,
@@ -35,7 +41,8 @@ def test_tiny_experiment_end_to_end(tmp_path):
           batch_rows=8, grade_workers=2)),
       eval=EvalConfig(samples=2, max_tokens=8, k_list=(1, 2)),
       train_tasks=6, heldout_tasks=3, sandbox_pool=2)
-  assert not cfg.rl.aux_loss and cfg.rl.kl_coef == 0  # the policy gradient is the only loss
+  loss = cfg.rl.learner.loss
+  assert not loss.aux_loss and loss.policy.kl_coef == 0  # the policy gradient is the only loss
   lines = []
   summary = run_lib.run(cfg, str(tmp_path), progress=False, echo=lines.append, tasks=tasks)
   assert summary["heldout_tasks"] == 3 and summary["before"]["samples"] == 6
@@ -78,19 +85,26 @@ def test_validation_mode_evaluates_carved_train_tasks_not_heldout():
 
 
 def test_rl_learner_takes_the_rl_settings():
+  learner_cfg = LearnerConfig(
+      optimizer=OptimizerConfig(learning_rate=3e-4, warmup_steps=5),
+      loss=LossConfig(objective="policy", aux_loss=False, replay="proximal",
+                      policy=PolicyLossConfig(clip_eps_low=0.2, clip_eps_high=0.28)),
+      sampler_dtype="float32")
   cfg = ExperimentConfig(model=TINY, rl=RLConfig(
-      learning_rate=3e-4, warmup_steps=5, clip_eps=0.2, clip_eps_high=0.28,
-      pipeline=PipelineConfig(batch_rows=4, seq_len=64)))
+      learner=learner_cfg, pipeline=PipelineConfig(batch_rows=4, seq_len=64, max_staleness=3)))
   learner = run_lib.make_rl_learner(cfg, build.create(TINY), sharding.make_mesh((1, 1, 1, 1)))
-  assert learner.opt_cfg.warmup_steps == 5 and learner.opt_cfg.learning_rate == 3e-4
+  assert learner.opt_cfg == learner_cfg.optimizer
   assert float(learner.schedule(0)) == 0.0 and float(learner.schedule(5)) == pytest.approx(3e-4)
-  pol = learner.loss_cfg.policy
-  assert (pol.clip_eps_low, pol.clip_eps_high) == (0.2, 0.28)
+  # Everything but the staleness bound is the config's; the bound is the pipeline's.
+  assert learner.loss_cfg == dataclasses.replace(learner_cfg.loss, max_staleness=3)
+  assert learner.sampler_dtype == np.float32
+  # The defaults: the policy loss without the router's auxiliary losses.
   same = run_lib.make_rl_learner(ExperimentConfig(model=TINY), build.create(TINY),
                                  sharding.make_mesh((1, 1, 1, 1)))
-  assert same.loss_cfg.policy.clip_eps_high == same.loss_cfg.policy.clip_eps_low == 0.2
-  with pytest.raises(ValueError, match="warmup_steps"):
-    RLConfig(warmup_steps=-1)
+  assert same.loss_cfg.objective == "policy" and not same.loss_cfg.aux_loss
+  assert same.loss_cfg.max_staleness == PipelineConfig().max_staleness
+  with pytest.raises(ValueError, match="objective must be 'policy'"):
+    RLConfig(learner=LearnerConfig())
 
 
 if __name__ == "__main__":

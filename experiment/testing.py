@@ -126,17 +126,18 @@ def advantage_logprob_gain(run_dir: str) -> float:
 def learning_problems(run_dir: str, cfg: ExperimentConfig) -> list[str]:
   """What in run_dir shows that RL did not learn from its rewards (empty if nothing).
 
-  The run must have the policy gradient as its only loss (cfg.rl.aux_loss off, kl_coef 0), so
-  that whatever moved the weights came from the rewards. Every RL step record must show rewards
-  that differ within its groups (reward_std > 0), groups with a non-zero advantage
+  The run must have the policy gradient as its only loss (cfg.rl.learner.loss: aux_loss off,
+  kl_coef 0), so that whatever moved the weights came from the rewards. Every RL step record
+  must show rewards that differ within its groups (reward_std > 0), groups with a non-zero advantage
   (signal_groups > 0), a loss that is the policy-gradient term alone (loss == pg_loss) and a
   non-zero, finite gradient. The loss's value is no test here: with the ratio at 1 (on-policy)
   and advantages that sum to 0 in each group it is 0 up to rounding, while its gradient is not.
   Finally the update must have raised `advantage_logprob_gain`.
   """
   out = []
-  if cfg.rl.aux_loss or cfg.rl.kl_coef:
-    out.append(f"aux_loss={cfg.rl.aux_loss}, kl_coef={cfg.rl.kl_coef}: the policy gradient is "
+  loss = cfg.rl.learner.loss
+  if loss.aux_loss or loss.policy.kl_coef:
+    out.append(f"aux_loss={loss.aux_loss}, kl_coef={loss.policy.kl_coef}: the policy gradient is "
                "not the only loss, so a weight change does not show learning from rewards")
   for i, r in enumerate(read_metrics(run_dir).get("rl", [])):
     where = f"rl step {i + 1}"

@@ -21,6 +21,8 @@ from moe.config import ModelConfig
 from pipeline import episodes as episodes_lib
 from pipeline import local
 from pipeline.config import PipelineConfig
+from rl.learner import LearnerConfig
+from rl.train_step import LossConfig
 from rl.trajectory_io import TrajectoryWriter
 from rollout.engine import Completion
 
@@ -159,7 +161,8 @@ def test_learning_problems_name_what_shows_no_learning(tmp_path, models):
   flat = _learning_run_dir(tmp_path / "flat", models, final_seed=0, rewards=((1.0, 1.0),),
                            record={"reward_std": 0.0, "signal_groups": 0.0, "grad_norm": 0.0})
   aux = ExperimentConfig(model=TINY, pretrain=CFG.pretrain,
-                         rl=RLConfig(steps=2, aux_loss=True, pipeline=CFG.rl.pipeline))
+                         rl=RLConfig(steps=2, pipeline=CFG.rl.pipeline, learner=LearnerConfig(
+                             loss=LossConfig(objective="policy", aux_loss=True))))
   found = testing.learning_problems(flat, aux)
   assert found[0].startswith("aux_loss=True, kl_coef=0.0: the policy gradient is not the only")
   for step in (1, 2):

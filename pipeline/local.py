@@ -136,8 +136,16 @@ def run(*, learner, tasks: Sequence, pool, workdir: str, config: PipelineConfig,
       everything is built, before the controller starts (tests use it to inject faults).
     learner_factory: builds a fresh learner after the learner loop dies; the new one restores the
       latest checkpoint and the pipeline carries on (samplers and controller keep running).
+
+  Raises:
+    ValueError: the learner's staleness bound is not config.max_staleness (the run's one bound;
+      rl.learner.build_learner(..., max_staleness=config.max_staleness) sets it).
   """
   t_start = time.perf_counter()
+  if learner.loss_cfg.max_staleness != config.max_staleness:
+    raise ValueError(f"the learner's staleness bound ({learner.loss_cfg.max_staleness}) is not "
+                     f"the pipeline's (PipelineConfig.max_staleness = {config.max_staleness}); "
+                     "build it with rl.learner.build_learner(..., max_staleness=...)")
   check_capacity(tasks, config)
   stop = stop or threading.Event()
   os.makedirs(workdir, exist_ok=True)

@@ -17,10 +17,13 @@ import logging
 import os
 import threading
 import time
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from moe.config import ModelConfig
 from pipeline.config import PipelineConfig
+
+if TYPE_CHECKING:
+  from rl.learner import LearnerConfig
 
 log = logging.getLogger(__name__)
 
@@ -55,28 +58,31 @@ def parse_step_lines(text: str) -> list[dict]:
   return out
 
 
-def run_learner(workdir: str, model_cfg: ModelConfig, config: PipelineConfig, *, steps: int,
-                learning_rate: float = 1e-4, init_checkpoint: Optional[str] = None,
-                checkpoint_every: int = 1, seed: int = 0) -> int:
-  """Trains until `steps` learner steps are done; returns the final step."""
+def run_learner(workdir: str, model_cfg: ModelConfig, config: PipelineConfig,
+                learner_config: LearnerConfig, *, steps: int,
+                init_checkpoint: Optional[str] = None, checkpoint_every: int = 1,
+                seed: int = 0) -> int:
+  """Trains until `steps` learner steps are done; returns the final step.
+
+  The learner is `rl.learner.build_learner(learner_config, ...)` with the pipeline's staleness
+  bound, the same call as the in-process experiment's (experiment.run.make_rl_learner), so a
+  setting means the same in both.
+  """
   from moe import checkpoint as moe_checkpoint  # pylint: disable=g-import-not-at-top
   from moe import sharding  # pylint: disable=g-import-not-at-top
   from pipeline.learner_loop import LearnerLoop  # pylint: disable=g-import-not-at-top
   from pipeline.local import WeightChannel  # pylint: disable=g-import-not-at-top
   from pipeline.step_batches import StepBatcher  # pylint: disable=g-import-not-at-top
   from rl.checkpointing import CheckpointManager  # pylint: disable=g-import-not-at-top
+  from rl import learner as learner_lib  # pylint: disable=g-import-not-at-top
   from rl.episodes import ValidationSpec  # pylint: disable=g-import-not-at-top
-  from rl.learner import Learner  # pylint: disable=g-import-not-at-top
-  from rl.train_state import OptimizerConfig  # pylint: disable=g-import-not-at-top
-  from rl.train_step import LossConfig  # pylint: disable=g-import-not-at-top
   p = paths(workdir)
   init = moe_checkpoint.load_model(init_checkpoint) if init_checkpoint else None
   if init is not None:
     model_cfg = init.config
-  learner = Learner(model_cfg, mesh=sharding.make_mesh((1, 1, 1, 1)), init_model=init,
-                    seed=seed, sampler_dtype="float32",
-                    opt_cfg=OptimizerConfig(learning_rate=learning_rate),
-                    loss_cfg=LossConfig(objective="policy", max_staleness=config.max_staleness))
+  learner = learner_lib.build_learner(learner_config, model_cfg,
+                                      mesh=sharding.make_mesh((1, 1, 1, 1)), seed=seed,
+                                      init_model=init, max_staleness=config.max_staleness)
   spec = ValidationSpec(vocab_size=model_cfg.vocab_size, max_len=config.seq_len,
                         routing_shape=(model_cfg.num_moe_layers, model_cfg.num_experts_per_tok),
                         num_experts=model_cfg.num_experts, require_routing=True)

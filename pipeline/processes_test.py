@@ -60,7 +60,7 @@ def test_separate_processes_with_a_sampler_killed(tmp_path):
   procs = {}
   try:
     procs["learner"] = _spawn(PRELUDE + f"""
-processes.run_learner({work!r}, testing.MODEL, cfg, steps=3, learning_rate=1e-3)
+processes.run_learner({work!r}, testing.MODEL, cfg, testing.LEARNER, steps=3)
 """, logs["learner"])
     ports = [_free_port(), _free_port()]
     for i, port in enumerate(ports):

@@ -10,7 +10,7 @@ from envs.tasks import suite_pyfunc
 from moe import sharding
 from moe.config import ModelConfig
 from pipeline.config import PipelineConfig
-from rl.learner import Learner
+from rl import learner as learner_lib
 from rl.train_state import OptimizerConfig
 from rl.train_step import LossConfig
 from rollout.engine import EngineConfig
@@ -21,6 +21,10 @@ MODEL = ModelConfig(vocab_size=259, hidden_size=32, num_layers=2, num_heads=2, n
                     intermediate_size=64, moe_intermediate_size=32, num_experts=4,
                     num_experts_per_tok=2, max_seq_len=128, tie_word_embeddings=True)
 ENGINE = EngineConfig(max_slots=8, max_len=128, decode_steps=8)
+# The tests' learner settings, in-process (`learner`) and in the multi-process learner
+# (pipeline.processes.run_learner) alike.
+LEARNER = learner_lib.LearnerConfig(optimizer=OptimizerConfig(learning_rate=1e-3),
+                                    loss=LossConfig(objective="policy"), sampler_dtype="float32")
 
 
 def tasks(n: int = 6):
@@ -34,11 +38,9 @@ def config(**kw) -> PipelineConfig:
   return PipelineConfig(**base)
 
 
-def learner(max_staleness: int = 1, seed: int = 0) -> Learner:
-  return Learner(MODEL, mesh=sharding.make_mesh((1, 1, 1, 1)),
-                 opt_cfg=OptimizerConfig(learning_rate=1e-3),
-                 loss_cfg=LossConfig(objective="policy", max_staleness=max_staleness),
-                 sampler_dtype="float32", seed=seed)
+def learner(max_staleness: int = 1, seed: int = 0) -> learner_lib.Learner:
+  return learner_lib.build_learner(LEARNER, MODEL, mesh=sharding.make_mesh((1, 1, 1, 1)),
+                                   seed=seed, max_staleness=max_staleness)
 
 
 def published_weights(workdir: str, version: Optional[int] = None) -> tuple[dict, int]:

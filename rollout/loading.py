@@ -1,6 +1,7 @@
 """Loading served weights: Hugging Face checkpoints, project checkpoints, or fresh models.
 
-What: `load_model(...)` returns the `MoEDecoder` to serve from exactly one source, and
+What: `load_model(...)` returns the `MoEDecoder` to serve from exactly one source,
+`load_engine(...)` the started engine that serves it (what //tools:serve runs), and
 `load_flat(path, cfg)` reads a checkpoint directory for a weight swap (format detected from its
 files: `config.json` + `*.safetensors` is Hugging Face via `moe.hf`; anything else goes to the
 project's orbax checkpoints via `moe.checkpoint`).
@@ -8,7 +9,9 @@ project's orbax checkpoints via `moe.checkpoint`).
 
 from __future__ import annotations
 
+import dataclasses
 import glob
+import json
 import os
 from typing import Optional
 
@@ -58,6 +61,45 @@ def load_model(*, hf_checkpoint: Optional[str] = None, checkpoint: Optional[str]
       moe_params.load_flat(model, flat)
     return model
   return build.create(config.replace(**overrides), seed=seed)
+
+
+def _eos_from_hf(path: str) -> tuple:
+  try:
+    with open(os.path.join(path, "config.json")) as f:
+      eos = json.load(f).get("eos_token_id")
+  except (OSError, ValueError):
+    return ()
+  if eos is None:
+    return ()
+  return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def load_engine(engine_config, *, hf_checkpoint: Optional[str] = None,
+                checkpoint: Optional[str] = None, config: Optional[ModelConfig] = None,
+                seed: int = 0, max_seq_len: Optional[int] = None):
+  """The started `rollout.engine.Engine` serving `load_model(...)`'s model.
+
+  Args:
+    engine_config: the engine's settings (rollout.engine.EngineConfig). Without eos_token_ids
+      the Hugging Face checkpoint's `eos_token_id`, else the tokenizer's end of sequence, ends a
+      completion (ids outside the vocabulary dropped).
+    hf_checkpoint / checkpoint / config / seed / max_seq_len: as `load_model`.
+
+  Raises:
+    ValueError: as `load_model`.
+  """
+  from rollout import tokenizers  # pylint: disable=g-import-not-at-top
+  from rollout.engine import Engine  # pylint: disable=g-import-not-at-top
+  model = load_model(hf_checkpoint=hf_checkpoint, checkpoint=checkpoint, config=config,
+                     seed=seed, max_seq_len=max_seq_len)
+  tok = tokenizers.for_checkpoint(hf_checkpoint, model.config.vocab_size)
+  eos = _eos_from_hf(hf_checkpoint) if hf_checkpoint else ()
+  if not eos and tok is not None and tok.eos_id is not None:
+    eos = (tok.eos_id,)
+  if eos and not engine_config.eos_token_ids:
+    engine_config = dataclasses.replace(
+        engine_config, eos_token_ids=tuple(t for t in eos if t < model.config.vocab_size))
+  return Engine(model, config=engine_config, tokenizer=tok)
 
 
 def load_flat(path: str, cfg: ModelConfig) -> dict:

@@ -1,6 +1,7 @@
 """The HTTP server against a live instance on 127.0.0.1 (free port): the official openai client,
-streaming, bad inputs, backpressure, timeouts, disconnects, metrics and admin swaps. The server is
-built exactly as `bazel run //rollout:server -- --hf_checkpoint=DIR` builds it."""
+streaming, bad inputs, backpressure, timeouts, disconnects, metrics and admin swaps. The engine is
+built as `bazel run //tools:serve -- --hf_checkpoint=DIR` builds it (rollout.loading.load_engine).
+"""
 
 import asyncio
 import http.client
@@ -16,7 +17,6 @@ import pytest
 
 from moe import hf
 from rollout import server as server_lib
-from rollout import server_main
 from rollout import testing
 from rollout.sampling import SamplingParams
 from tests import waiting
@@ -48,10 +48,10 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def live(ckpt):
-  args = server_main.parse_args([f"--hf_checkpoint={ckpt}", "--max_slots=4", "--max_len=64",
-                                 "--decode_steps=4", "--max_queue=4"])
-  engine = server_main.build_engine(args)
   from rollout import loading
+  from rollout.engine import EngineConfig
+  engine = loading.load_engine(EngineConfig(max_slots=4, max_len=64, decode_steps=4, max_queue=4),
+                               hf_checkpoint=ckpt, max_seq_len=64)
   srv = _Live(engine, model_name="tiny", request_timeout=60.0,
               load_flat=lambda p: loading.load_flat(p, engine.model_config))
   yield srv

@@ -199,7 +199,7 @@ def run_mode(name, k, model, tasks, pool, args, workdir, steps=None, quiet=False
   """One pipeline run of `steps` learner steps at max staleness k; returns its figures."""
   from pipeline import local  # pylint: disable=g-import-not-at-top
   from pipeline.config import PipelineConfig  # pylint: disable=g-import-not-at-top
-  from rl.learner import Learner  # pylint: disable=g-import-not-at-top
+  from rl import learner as learner_lib  # pylint: disable=g-import-not-at-top
   from rl.train_state import OptimizerConfig  # pylint: disable=g-import-not-at-top
   from rl.train_step import LossConfig  # pylint: disable=g-import-not-at-top
   from moe import sharding  # pylint: disable=g-import-not-at-top
@@ -208,9 +208,10 @@ def run_mode(name, k, model, tasks, pool, args, workdir, steps=None, quiet=False
                        max_new_tokens=args.max_new_tokens, seq_len=args.seq_len,
                        batch_rows=args.batch_rows or max(1, args.prompts * args.attempts // 2),
                        grade_workers=args.grade_workers, seed=args.seed)
-  learner = Learner(model.config, mesh=sharding.make_mesh((1, 1, 1, 1)), init_model=model,
-                    opt_cfg=OptimizerConfig(learning_rate=args.lr), sampler_dtype="float32",
-                    loss_cfg=LossConfig(objective="policy", max_staleness=k))
+  learner = learner_lib.build_learner(
+      learner_lib.LearnerConfig(optimizer=OptimizerConfig(learning_rate=args.lr),
+                                loss=LossConfig(objective="policy"), sampler_dtype="float32"),
+      model.config, mesh=sharding.make_mesh((1, 1, 1, 1)), init_model=model, max_staleness=k)
   rewards, lags, grade_s, resp, prompt = {}, [], [], [], []
   mon = OccupancyMonitor()
 

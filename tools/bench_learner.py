@@ -7,8 +7,8 @@ reports tokens/s, step time and MFU (rl/flops.py) against a peak: a chip's datas
 model's dtype measured on this machine in the same run (`matmul_peak`), so the MFU on a CPU is
 against what this CPU was shown to reach, not one small matmul's rate.
 
-  bazel run //tools:bench_learner -- --gin moe/configs/tiny.gin --seq_len 256 --batch_rows 8
-  .venv/bin/python -m tools.bench_learner --gin moe/configs/tiny.gin --objective policy \
+  bazel run //tools:bench_learner -- --gin_file=moe/configs/tiny.gin --seq_len 256 --batch_rows 8
+  .venv/bin/python -m tools.bench_learner --gin_file=moe/configs/tiny.gin --objective policy \
       --chip h200 --mesh 1,1,1,1
 """
 
@@ -25,7 +25,7 @@ import numpy as np
 
 from moe import sharding
 from rl import flops
-from rl.learner import Learner
+from rl import learner as learner_lib
 from rl.objectives import PolicyLossConfig
 from rl.train_state import OptimizerConfig
 from rl.train_step import LossConfig
@@ -77,8 +77,9 @@ def bench(cfg, *, seq_len: int, batch_rows: int, steps: int, warmup: int, object
   peak, or (measure_peak, neither given) the best matmul rate measured here after the steps."""
   mesh = sharding.make_mesh(mesh_shape)
   loss = LossConfig(objective=objective, replay="on", policy=PolicyLossConfig())
-  learner = Learner(cfg, mesh=mesh, loss_cfg=loss, opt_cfg=OptimizerConfig(),
-                    micro_batches=micro_batches)
+  learner = learner_lib.build_learner(
+      learner_lib.LearnerConfig(optimizer=OptimizerConfig(), loss=loss,
+                                micro_batches=micro_batches), cfg, mesh=mesh)
   batch = random_batch(cfg, batch_rows, seq_len, objective == "policy")
   for _ in range(warmup):
     learner.train_step(batch)
@@ -120,8 +121,6 @@ def _cpu_name() -> str:
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--gin", action="append", default=[], help="model gin file(s)")
-  p.add_argument("--binding", action="append", default=[], help="extra gin bindings")
   p.add_argument("--seq_len", type=int, default=256)
   p.add_argument("--batch_rows", type=int, default=8)
   p.add_argument("--steps", type=int, default=5)
@@ -133,9 +132,9 @@ def main(argv=None) -> int:
   p.add_argument("--peak_tflops", type=float, default=None,
                  help="peak per device, TFLOP/s (default: without --chip, the best matmul "
                       "rate measured in this run)")
-  args = p.parse_args(argv)
+  args, files, bindings = configs.parse_flags(p, sys.argv[1:] if argv is None else argv)
   flops.peak_flops(args.chip)  # unknown chips fail before the run
-  configs.parse(args.gin or ["moe/configs/tiny.gin"], args.binding)
+  configs.parse(files or ["moe/configs/tiny.gin"], bindings)
   cfg = configs.model_config()
   if args.seq_len > cfg.max_seq_len:
     cfg = cfg.replace(max_seq_len=args.seq_len)

@@ -37,7 +37,7 @@ def test_bench_reports_throughput_and_mfu_of_known_steps(monkeypatch):
   count. A wrong token count, FLOP count, averaging or peak fails."""
   clock = _Clock(0.25)
 
-  class TimedLearner(bench_learner.Learner):
+  class TimedLearner(bench_learner.learner_lib.Learner):
 
     def train_step(self, batch):
       out = super().train_step(batch)
@@ -45,7 +45,7 @@ def test_bench_reports_throughput_and_mfu_of_known_steps(monkeypatch):
       return out
 
   monkeypatch.setattr(bench_learner, "time", clock)
-  monkeypatch.setattr(bench_learner, "Learner", TimedLearner)
+  monkeypatch.setattr(bench_learner.learner_lib, "Learner", TimedLearner)
   r = bench_learner.bench(CFG, seq_len=16, batch_rows=2, steps=2, warmup=1,
                           objective="policy", mesh_shape=(1, 1, 1, 1), micro_batches=1,
                           peak_tflops=1e-6)
@@ -58,7 +58,7 @@ def test_bench_reports_throughput_and_mfu_of_known_steps(monkeypatch):
 
 def test_cli_rejects_unknown_chip():
   with pytest.raises(ValueError, match="unknown chip"):
-    bench_learner.main(["--gin", "moe/configs/tiny.gin", "--seq_len", "8", "--batch_rows", "1",
+    bench_learner.main(["--gin_file=moe/configs/tiny.gin", "--seq_len", "8", "--batch_rows", "1",
                         "--steps", "1", "--warmup", "0", "--chip", "abacus"])
 
 

@@ -74,13 +74,12 @@ def main(argv=None) -> int:
                  help="train the learner this many steps per learning rate and measure "
                       "consecutive versions (instead of synthetic updates)")
   p.add_argument("--learner_lrs", default="1e-6,1e-5,1e-4,3e-4")
-  p.add_argument("--gin", action="append", default=[],
-                 help="model gin file(s) for --learner_steps (default moe/configs/tiny.gin)")
-  p.add_argument("--binding", action="append", default=[],
-                 help="extra gin bindings for --learner_steps, e.g. ModelConfig.hidden_size=256")
   p.add_argument("--no_sim", action="store_true")
   p.add_argument("--json", help="also write the rows and the simulation here")
-  args = p.parse_args(argv)
+  from tools import configs  # pylint: disable=g-import-not-at-top
+  # --gin_file: the model for --learner_steps (default moe/configs/tiny.gin); --gin.X=V bindings,
+  # e.g. --gin.ModelConfig.hidden_size=256.
+  args, files, bindings = configs.parse_flags(p, sys.argv[1:] if argv is None else argv)
   workers = [int(x) for x in args.workers.split(",") if x] or [None]
   report = {}
   if args.from_checkpoints:
@@ -89,9 +88,9 @@ def main(argv=None) -> int:
                                    repeats=args.repeats, workers=w) for w in workers]
   elif args.learner_steps:
     rows, report["learner"] = learner_rows(
-        args.gin or ["moe/configs/tiny.gin"],
+        files or ["moe/configs/tiny.gin"],
         [float(x) for x in args.learner_lrs.split(",")], args.learner_steps, args.repeats,
-        workers, bindings=args.binding)
+        workers, bindings=bindings)
   else:
     fr = [float(f) for f in args.fractions.split(",")]
     rows = []

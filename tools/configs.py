@@ -1,9 +1,18 @@
-"""gin at the edge: registers the library's config classes, parses and validates experiments.
+"""The one gin front end: config registration, command-line gin flags, parsing, validation.
 
 Library packages never import gin. This module registers their plain dataclasses as external
 configurables, so gin files can write `PipelineConfig.max_staleness = 2` or
-`RLConfig.pipeline = @PipelineConfig()`, and entry points call `load_experiment(...)` (the main
-job, the resource planner) or `parse(...)` + `model_config()` (tools that only need a model).
+`RLConfig.learner = @LearnerConfig()`, and every entry point in tools/ reads its gin flags and
+parses gin here: `load_experiment(...)` (the main job, the resource planner, the RL parts), or
+`parse(...)` + `model_config()` (tools that only need a model).
+
+Every binary spells its gin flags the same way:
+    --gin_file=PATH        a gin file (repeatable; a relative path is from the working directory,
+                           the Bazel workspace (`bazel run` sets it) or the repository)
+    --gin.SCOPE.NAME=V     a binding, exactly `SCOPE.NAME = V` in a gin file
+Binaries whose flags are one configurable's parameters (//tools:eval, //tools:launch) also take
+`--NAME=V` for `--gin.<configurable>.NAME=V` (`split_flags`); argparse binaries take their own
+flags besides (`parse_flags`). An unknown flag is an error before any work starts.
 
 Gin files come in tiers (t5x style):
   moe/configs/*.gin                    model sizes: `ModelConfig.*` only.
@@ -26,9 +35,12 @@ the devices or the model cannot take, and the dataclasses' own `__post_init__` c
 
 from __future__ import annotations
 
+import argparse
+import ast
+import inspect
 import math
 import os
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import gin
 from gin import config as gin_config
@@ -37,6 +49,11 @@ from experiment.config import EvalConfig, ExperimentConfig, PretrainConfig, RLCo
 from moe.config import ModelConfig
 from moe.sharding import MESH_AXES
 from pipeline.config import PipelineConfig
+from rl.learner import LearnerConfig
+from rl.objectives import PolicyLossConfig
+from rl.train_state import OptimizerConfig
+from rl.train_step import LossConfig
+from rollout.engine import EngineConfig
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPERIMENTS_DIR = os.path.join(REPO_ROOT, "tools", "configs", "experiments")
@@ -47,15 +64,26 @@ MODEL_SIZES_DIR = os.path.join(REPO_ROOT, "moe", "configs")
 # plain library classes (gin wraps the constructor, not the type).
 GinModelConfig = gin.external_configurable(ModelConfig, module="moe")
 GinPipelineConfig = gin.external_configurable(PipelineConfig, module="pipeline")
+GinLearnerConfig = gin.external_configurable(LearnerConfig, module="rl")
+GinOptimizerConfig = gin.external_configurable(OptimizerConfig, module="rl")
+GinLossConfig = gin.external_configurable(LossConfig, module="rl")
+GinPolicyLossConfig = gin.external_configurable(PolicyLossConfig, module="rl")
 GinPretrainConfig = gin.external_configurable(PretrainConfig, module="experiment")
 GinRLConfig = gin.external_configurable(RLConfig, module="experiment")
 GinEvalConfig = gin.external_configurable(EvalConfig, module="experiment")
 GinExperimentConfig = gin.external_configurable(ExperimentConfig, module="experiment")
+# The sampling server's settings (//tools:serve, tools/configs/runs/serve.gin); not part of an
+# experiment, so not in CONFIGURABLES below.
+GinEngineConfig = gin.external_configurable(EngineConfig, module="rollout")
 
 # Configurable name -> full gin selector, for the ones this module registers.
 CONFIGURABLES = {
     "ModelConfig": "moe.ModelConfig",
     "PipelineConfig": "pipeline.PipelineConfig",
+    "LearnerConfig": "rl.LearnerConfig",
+    "OptimizerConfig": "rl.OptimizerConfig",
+    "LossConfig": "rl.LossConfig",
+    "PolicyLossConfig": "rl.PolicyLossConfig",
     "PretrainConfig": "experiment.PretrainConfig",
     "RLConfig": "experiment.RLConfig",
     "EvalConfig": "experiment.EvalConfig",
@@ -64,17 +92,103 @@ CONFIGURABLES = {
 
 
 class ConfigError(ValueError):
-  """A gin file or binding is unknown, malformed or inconsistent."""
+  """A command-line flag, gin file or binding is unknown, malformed or inconsistent."""
+
+
+def workspace_root() -> str:
+  """The workspace `bazel run` was started from, else this repository."""
+  return os.environ.get("BUILD_WORKSPACE_DIRECTORY") or REPO_ROOT
+
+
+def workspace_path(path: str) -> str:
+  """A path given on the command line: absolute as given, else relative to the workspace (under
+  `bazel run` the working directory is the runfiles tree, not where the user typed)."""
+  return path if os.path.isabs(path) else os.path.join(workspace_root(), path)
 
 
 def resolve_path(path: str) -> str:
   """A gin file's path: absolute, else relative to the cwd, the Bazel workspace or the repo."""
   if os.path.isabs(path) or os.path.exists(path):
+    if not os.path.exists(path):
+      raise ConfigError(f"gin file not found: {path}")
     return path
   for root in (os.environ.get("BUILD_WORKSPACE_DIRECTORY"), REPO_ROOT):
     if root and os.path.exists(os.path.join(root, path)):
       return os.path.join(root, path)
   raise ConfigError(f"gin file not found: {path}")
+
+
+# -- command-line flags -------------------------------------------------------------------------
+def _binding(key: str, value: str) -> str:
+  return f"{key[len('gin.'):]} = {value}"
+
+
+def _literal(v: str) -> str:
+  """The gin text for a flag value: itself if it is a literal, else a quoted string."""
+  try:
+    ast.literal_eval(v)
+    return v
+  except (ValueError, SyntaxError):
+    return repr(v)
+
+
+def parse_flags(parser: argparse.ArgumentParser, argv: Sequence[str]
+                ) -> tuple[argparse.Namespace, list[str], list[str]]:
+  """(the parser's flags, gin files, gin bindings) of an argparse binary's command line.
+
+  Adds `--gin_file` (repeatable) to `parser`; `--gin.SCOPE.NAME=V` flags become bindings and any
+  other unknown flag is a usage error (exit status 2). Abbreviated flags are refused, so a
+  mistyped `--gin=...` cannot pass for `--gin_file`.
+  """
+  parser.allow_abbrev = False
+  parser.add_argument("--gin_file", action="append", default=[],
+                      help="gin file (repeatable); --gin.SCOPE.NAME=V binds one value")
+  args, rest = parser.parse_known_args(list(argv))
+  bindings = []
+  for a in rest:
+    key, eq, value = a[2:].partition("=") if a.startswith("--") else ("", "", "")
+    if not key.startswith("gin.") or not eq:
+      parser.error(f"unknown argument {a!r} (gin bindings look like --gin.RLConfig.steps=100)")
+    bindings.append(_binding(key, value))
+  return args, list(args.gin_file), bindings
+
+
+def split_flags(argv: Sequence[str], main: Callable, *, extra_flags: Sequence[str] = ()
+                ) -> tuple[list[str], list[str], dict]:
+  """(gin files, gin bindings, extra flag values) of a binary whose flags are `main`'s parameters.
+
+  `main` is the gin configurable that `--NAME=V` shorthands bind (`--gin.main.NAME=V`);
+  `extra_flags` are plain flags the caller handles itself (returned as {name: value}; a bare
+  `--name` is "true").
+
+  Raises:
+    ConfigError: a malformed or unknown flag, or a gin file that does not exist.
+  """
+  name = getattr(main, "__name__", None) or main.__wrapped__.__name__
+  params = set(inspect.signature(main).parameters)
+  files, bindings, extra = [], [], {}
+  for arg in argv:
+    if not arg.startswith("--"):
+      raise ConfigError(f"unexpected argument {arg!r} (flags look like --name=value)")
+    key, eq, value = arg[2:].partition("=")
+    if key == "gin_file":
+      if not eq:
+        raise ConfigError("--gin_file needs a value")
+      files.append(resolve_path(value))
+    elif key.startswith("gin."):
+      if not eq:
+        raise ConfigError(f"{arg}: a binding needs a value (--gin.X=V)")
+      bindings.append(_binding(key, value))
+    elif key in extra_flags:
+      extra[key] = value if eq else "true"
+    elif key in params:
+      if not eq:
+        raise ConfigError(f"{arg} needs a value")
+      bindings.append(f"{name}.{key} = {_literal(value)}")
+    else:
+      known = sorted(params | set(extra_flags) | {"gin_file", "gin.X"})
+      raise ConfigError(f"unknown flag --{key} (known: {', '.join('--' + k for k in known)})")
+  return files, bindings, extra
 
 
 def is_plan_experiment(path: str) -> bool:
@@ -93,6 +207,10 @@ def parse(gin_files: Sequence[str] = (), bindings: Sequence[str] = (), *,
   """Clears gin and parses `gin_files` (paths relative to the repo root work) then `bindings`.
 
   With `finalize`, a `%gin.REQUIRED` value that no later binding overrides is an error here.
+
+  Raises:
+    ConfigError: a missing file, or gin's own error (unknown configurable or parameter, syntax,
+      an unset `%gin.REQUIRED`), with what to do about it.
   """
   gin.clear_config()
   paths = [resolve_path(f) for f in gin_files]
@@ -104,7 +222,7 @@ def parse(gin_files: Sequence[str] = (), bindings: Sequence[str] = (), *,
   except (ValueError, KeyError, SyntaxError, TypeError, NameError, IOError) as e:
     msg = str(e)
     if "No configurable matching" in msg:
-      msg += f"\n  configurables the main job knows: {', '.join(CONFIGURABLES)}"
+      msg += f"\n  config classes registered by tools/configs.py: {', '.join(CONFIGURABLES)}"
     if "%gin.REQUIRED" in msg:
       msg += ("\n  set it in the experiment file (after the include) or on the command line "
               "(--gin.NAME=VALUE)")
@@ -220,6 +338,10 @@ _CONSTRUCTED_BY = {
                       "pretrain.gin)",
     "RLConfig": "ExperimentConfig.rl = @RLConfig() (tools/configs/runs/rl.gin)",
     "PipelineConfig": "RLConfig.pipeline = @PipelineConfig() (tools/configs/runs/rl.gin)",
+    "LearnerConfig": "RLConfig.learner = @LearnerConfig() (tools/configs/runs/rl.gin)",
+    "OptimizerConfig": "LearnerConfig.optimizer = @OptimizerConfig() (tools/configs/runs/rl.gin)",
+    "LossConfig": "LearnerConfig.loss = @LossConfig() (tools/configs/runs/rl.gin)",
+    "PolicyLossConfig": "LossConfig.policy = @PolicyLossConfig() (tools/configs/runs/rl.gin)",
     "EvalConfig": "ExperimentConfig.eval = @EvalConfig() (tools/configs/runs/eval.gin)",
     "ExperimentConfig": "nothing: load_experiment constructs it",
 }

@@ -5,15 +5,16 @@ Real sizes are checked with eval_shape only. Every bad configuration the loader 
 dataclass checks) has a test that asserts a ConfigError naming what to fix.
 """
 
+import dataclasses
 import os
 import sys
 
 import pytest
 
-from experiment.config import ExperimentConfig, PretrainConfig
+from experiment.config import ExperimentConfig, PretrainConfig, RLConfig
 from moe import build
 from moe.config import ModelConfig
-from rollout import server_main  # registers rollout.EngineConfig for runs/serve.gin
+from rl.train_state import OptimizerConfig
 from tools import configs
 
 PRESETS = sorted(f for f in os.listdir(configs.MODEL_SIZES_DIR) if f.endswith(".gin"))
@@ -22,7 +23,7 @@ TINY = "moe/configs/tiny.gin"
 DEFAULT = "tools/configs/experiments/default.gin"
 # The values every required field of the pretrain/rl/eval run files needs.
 REQUIRED = ["PretrainConfig.steps = 5", "PretrainConfig.learning_rate = 1e-3",
-            "RLConfig.steps = 3", "RLConfig.learning_rate = 1e-4",
+            "RLConfig.steps = 3", "OptimizerConfig.learning_rate = 1e-4",
             "PipelineConfig.max_staleness = 1", "EvalConfig.samples = 4",
             "EvalConfig.max_tokens = 8"]
 ALL_RUNS = [TINY] + [f"{RUNS}/{r}.gin" for r in ("pretrain", "rl", "eval")]
@@ -74,12 +75,26 @@ def test_all_run_files_compose_into_an_experiment():
   assert cfg.model.hidden_size == 128  # from tiny.gin
 
 
+def test_rl_run_file_builds_the_rl_learner_defaults():
+  """runs/rl.gin constructs the nested learner config (gin cannot bind inside a default
+  instance), so its values must be RLConfig's Python default, experiment.config.RL_LEARNER,
+  apart from the required learning rate: an experiment built in Python trains like one from gin."""
+  cfg = configs.load_experiment(ALL_RUNS, REQUIRED, num_devices=1)
+  assert cfg.rl.learner == dataclasses.replace(
+      RLConfig().learner, optimizer=OptimizerConfig(learning_rate=1e-4))
+  nested = configs.load_experiment(ALL_RUNS, REQUIRED + [
+      "PolicyLossConfig.clip_eps_high = 0.28", "LossConfig.replay = 'proximal'",
+      "OptimizerConfig.warmup_steps = 5"], num_devices=1).rl.learner
+  assert (nested.loss.policy.clip_eps_high, nested.loss.replay,
+          nested.optimizer.warmup_steps) == (0.28, "proximal", 5)
+
+
 def test_default_experiment_values_and_command_line_overrides():
   cfg = configs.load_experiment([DEFAULT], num_devices=1)
   assert (cfg.pretrain.steps, cfg.pretrain.batch_rows, cfg.pretrain.seq_len) == (400, 32, 128)
   assert (cfg.pretrain.learning_rate, cfg.pretrain.corpus_repeats) == (3e-3, 1)
   p = cfg.rl.pipeline
-  assert (cfg.rl.steps, cfg.rl.learning_rate) == (100, 1e-4)
+  assert (cfg.rl.steps, cfg.rl.learner.optimizer.learning_rate) == (100, 1e-4)
   assert (p.max_staleness, p.prompts_per_step, p.attempts, p.max_new_tokens, p.seq_len,
           p.batch_rows) == (2, 8, 8, 40, 256, 32)
   assert (cfg.eval.samples, cfg.eval.temperature, cfg.eval.max_tokens) == (8, 1.0, 48)
@@ -97,8 +112,8 @@ def test_phases_without_a_run_file_are_skipped():
 
 
 def test_unknown_configurable_or_parameter():
-  with pytest.raises(configs.ConfigError, match="(?s)No configurable matching 'RlConfig'.*knows: "
-                     "ModelConfig.*RLConfig"):
+  with pytest.raises(configs.ConfigError, match="(?s)No configurable matching 'RlConfig'.*"
+                     "registered by tools/configs.py: ModelConfig.*RLConfig"):
     configs.load_experiment([DEFAULT], ["RlConfig.steps = 3"], num_devices=1)
   with pytest.raises(configs.ConfigError, match="'PipelineConfig' doesn't have a parameter "
                      "named 'staleness'"):
@@ -205,7 +220,7 @@ def test_validate_mesh_directly():
 
 def test_serve_run_file_configures_the_engine():
   configs.parse([TINY, f"{RUNS}/serve.gin"], ["EngineConfig.max_slots = 8"])
-  ec = server_main.GinEngineConfig()
+  ec = configs.GinEngineConfig()
   assert (ec.max_slots, ec.decode_steps, ec.dtype, ec.max_len) == (8, 16, "float32", None)
   assert configs.model_config().hidden_size == 128
 

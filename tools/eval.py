@@ -25,7 +25,6 @@ from envs.tasks import suite_swe
 from envs.tasks import task_format
 from evaluation import evaluate as evaluate_lib
 from tools import configs
-from tools import gin_cli
 
 SUITES = ("pyfunc", "swe", "file")
 
@@ -39,19 +38,19 @@ def load_suite(suite: str, split: Optional[str], task_file: Optional[str],
     tasks = suite_swe.generate()
   elif suite == "file":
     if not task_file:
-      raise gin_cli.CliError("--suite=file needs --task_file=PATH (JSONL or task directories)")
-    loaded = task_format.load_tasks(gin_cli.resolve_path(task_file))
+      raise configs.ConfigError("--suite=file needs --task_file=PATH (JSONL or task directories)")
+    loaded = task_format.load_tasks(configs.workspace_path(task_file))
     for r in loaded.rejected:
       print(f"rejected task {r.task_id or r.source}: {'; '.join(r.reasons)}", file=sys.stderr)
     tasks = loaded.tasks
   else:
-    raise gin_cli.CliError(f"--suite must be one of {SUITES}, got {suite!r}")
+    raise configs.ConfigError(f"--suite must be one of {SUITES}, got {suite!r}")
   if split:
     tasks = [t for t in tasks if t.split == split]
   if limit is not None:
     tasks = tasks[:limit]
   if not tasks:
-    raise gin_cli.CliError(f"no tasks in suite {suite!r} with split {split!r}")
+    raise configs.ConfigError(f"no tasks in suite {suite!r} with split {split!r}")
   return tasks
 
 
@@ -65,17 +64,17 @@ def eval_run(checkpoint: Optional[str] = None, hf_checkpoint: Optional[str] = No
              allow_degraded: bool = False, max_concurrency: int = 64) -> evaluate_lib.EvalReport:
   """Loads the model (exactly one of checkpoint, hf_checkpoint, random_init), runs the eval."""
   if sum([checkpoint is not None, hf_checkpoint is not None, bool(random_init)]) != 1:
-    raise gin_cli.CliError("give exactly one of --checkpoint, --hf_checkpoint or "
+    raise configs.ConfigError("give exactly one of --checkpoint, --hf_checkpoint or "
                            "--random_init=True (with a model gin file)")
   tasks = load_suite(suite, split, task_file, limit)
   from rollout import loading  # pylint: disable=g-import-not-at-top  (imports jax)
   try:
     model = loading.load_model(
-        checkpoint=gin_cli.resolve_path(checkpoint) if checkpoint else None,
-        hf_checkpoint=gin_cli.resolve_path(hf_checkpoint) if hf_checkpoint else None,
+        checkpoint=configs.workspace_path(checkpoint) if checkpoint else None,
+        hf_checkpoint=configs.workspace_path(hf_checkpoint) if hf_checkpoint else None,
         config=configs.model_config() if random_init else None, seed=model_seed)
   except ValueError as e:
-    raise gin_cli.CliError(str(e)) from e
+    raise configs.ConfigError(str(e)) from e
   print(f"evaluating on {len(tasks)} {suite} task(s), n={n}, k={tuple(k_list)}", flush=True)
 
   def progress(done, total):
@@ -85,16 +84,16 @@ def eval_run(checkpoint: Optional[str] = None, hf_checkpoint: Optional[str] = No
   with pool_lib.WarmPool(size=pool_size, allow_degraded=allow_degraded) as pool:
     return evaluate_lib.evaluate(model, tasks, n=n, k_list=k_list, temperature=temperature,
                                  max_tokens=max_tokens, seed=seed, pool=pool,
-                                 out_path=gin_cli.resolve_path(out), mode=mode,
+                                 out_path=configs.workspace_path(out), mode=mode,
                                  max_concurrency=max_concurrency, progress=progress)
 
 
 def main(argv: Sequence[str]) -> int:
   try:
-    files, bindings, _ = gin_cli.split_args(argv, eval_run)
-    gin_cli.parse(files, bindings)
+    files, bindings, _ = configs.split_flags(argv, eval_run)
+    configs.parse(files, bindings)
     report = eval_run()
-  except (gin_cli.CliError, configs.ConfigError) as e:
+  except configs.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   print(f"per-task results: {report.out_path}")

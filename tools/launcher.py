@@ -29,7 +29,7 @@ import gin
 from launch import local
 from launch import spec
 from launch import xm_adapter
-from tools import gin_cli
+from tools import configs
 
 
 @gin.configurable
@@ -66,7 +66,7 @@ def launch_main(executor: str = "local", root_dir: str = "/tmp/launch", use_baze
                 dry_run: bool = False) -> int:
   """Builds the bound experiment and runs it; returns the process exit code."""
   exp = experiment()
-  root_dir = gin_cli.resolve_path(root_dir)
+  root_dir = configs.workspace_path(root_dir)
   if dry_run:
     print(f"experiment {exp.name}: {len(exp.work_units)} work unit(s); Bazel targets: "
           f"{', '.join(exp.bazel_labels) or '-'}")
@@ -96,15 +96,15 @@ def launch_main(executor: str = "local", root_dir: str = "/tmp/launch", use_baze
 
 def main(argv: Sequence[str]) -> int:
   try:
-    files, bindings, extra = gin_cli.split_args(argv, launch_main, extra_flags=("experiment",))
+    files, bindings, extra = configs.split_flags(argv, launch_main, extra_flags=("experiment",))
     if "experiment" in extra:
-      files.insert(0, gin_cli.resolve_path(extra["experiment"]))
-      gin_cli.split_args([f"--gin_file={files[0]}"], launch_main)  # existence check
+      files.insert(0, configs.resolve_path(extra["experiment"]))
     if not files:
-      raise gin_cli.CliError("give an experiment gin file: --experiment=PATH or --gin_file=PATH")
-    gin_cli.parse(files, bindings)
+      raise configs.ConfigError("give an experiment gin file: --experiment=PATH or "
+                                "--gin_file=PATH")
+    configs.parse(files, bindings)
     return launch_main()
-  except (gin_cli.CliError, spec.SpecError, xm_adapter.XManagerUnavailable) as e:
+  except (configs.ConfigError, spec.SpecError, xm_adapter.XManagerUnavailable) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
 

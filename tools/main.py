@@ -21,22 +21,14 @@ DEFAULT_EXPERIMENT = "tools/configs/experiments/default.gin"
 
 
 def parse_args(argv):
+  """(flags, gin files, gin bindings); the gin files default to the default experiment."""
+  from tools import configs  # pylint: disable=g-import-not-at-top
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--gin_file", action="append", default=None,
-                 help=f"gin experiment file(s) (default {DEFAULT_EXPERIMENT})")
   p.add_argument("--run_dir", default=None, help="output directory (default runs/<date-time>)")
   p.add_argument("--no_progress", action="store_true", help="no progress bars")
-  args, rest = p.parse_known_args(argv)
-  bindings = []
-  for a in rest:
-    if a.startswith("--gin."):
-      bindings.append(a[len("--gin."):])
-    elif a.startswith("--gin_binding="):
-      bindings.append(a[len("--gin_binding="):])
-    else:
-      p.error(f"unknown argument {a!r} (gin overrides look like --gin.RLConfig.steps=100)")
-  return args, bindings
+  args, files, bindings = configs.parse_flags(p, argv)
+  return args, files or [DEFAULT_EXPERIMENT], bindings
 
 
 def default_run_dir() -> str:
@@ -45,10 +37,10 @@ def default_run_dir() -> str:
 
 
 def main(argv=None, *, evaluate: bool = True) -> int:
-  args, bindings = parse_args(sys.argv[1:] if argv is None else argv)
+  args, files, bindings = parse_args(sys.argv[1:] if argv is None else argv)
   from tools import configs  # pylint: disable=g-import-not-at-top
   try:
-    cfg = configs.load_experiment(args.gin_file or [DEFAULT_EXPERIMENT], bindings)
+    cfg = configs.load_experiment(files, bindings)
   except configs.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -127,30 +127,26 @@ def format_plan(p: dict, device_memory_gib: Optional[float] = None) -> str:
   return "\n".join(lines)
 
 
-def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str], list[str]]:
+  """(flags, gin files, gin bindings); at least one gin file is required."""
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--gin_file", action="append", required=True,
-                 help="experiment file(s), e.g. tools/configs/experiments/*_plan.gin")
   p.add_argument("--device_memory_gib", type=float, default=None,
                  help="memory of one device; the plan then says whether the state fits")
-  args, rest = p.parse_known_args(argv)
-  bindings = []
-  for a in rest:
-    if not a.startswith("--gin."):
-      p.error(f"unknown argument {a!r} (gin overrides look like --gin.ExperimentConfig.X=V)")
-    bindings.append(a[len("--gin."):])
-  return args, bindings
+  args, files, bindings = configs.parse_flags(p, argv)
+  if not files:
+    p.error("give the experiment: --gin_file=tools/configs/experiments/*_plan.gin")
+  return args, files, bindings
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  args, bindings = parse_args(sys.argv[1:] if argv is None else argv)
+  args, files, bindings = parse_args(sys.argv[1:] if argv is None else argv)
   try:
-    cfg = configs.load_experiment(args.gin_file, bindings, check_devices=False)
+    cfg = configs.load_experiment(files, bindings, check_devices=False)
   except configs.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  print(f"config valid: {', '.join(args.gin_file)}", flush=True)
+  print(f"config valid: {', '.join(files)}", flush=True)
   print(format_plan(plan(cfg), args.device_memory_gib))
   return 0
 

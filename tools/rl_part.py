@@ -27,24 +27,18 @@ def main(argv=None) -> int:
   p.add_argument("--init_checkpoint", default=None)
   p.add_argument("--port", type=int, default=0)
   p.add_argument("--samplers", default="", help="comma-separated sampler URLs or @job names")
-  p.add_argument("--gin_file", action="append", default=None)
-  args, rest = p.parse_known_args(sys.argv[1:] if argv is None else argv)
-  bindings = [a[len("--gin."):] for a in rest if a.startswith("--gin.")]
-  unknown = [a for a in rest if not a.startswith("--gin.")]
-  if unknown:
-    p.error(f"unknown arguments {unknown}")
+  from tools import configs  # pylint: disable=g-import-not-at-top
+  args, files, bindings = configs.parse_flags(p, sys.argv[1:] if argv is None else argv)
   logging.basicConfig(level=logging.WARNING)
   from pipeline import processes  # pylint: disable=g-import-not-at-top
-  from tools import configs  # pylint: disable=g-import-not-at-top
   try:
-    cfg = configs.load_experiment(args.gin_file or [DEFAULT_EXPERIMENT], bindings)
+    cfg = configs.load_experiment(files or [DEFAULT_EXPERIMENT], bindings)
   except configs.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   steps = args.steps if args.steps is not None else cfg.rl.steps
   if args.part == "learner":
-    processes.run_learner(args.workdir, cfg.model, cfg.rl.pipeline, steps=steps,
-                          learning_rate=cfg.rl.learning_rate,
+    processes.run_learner(args.workdir, cfg.model, cfg.rl.pipeline, cfg.rl.learner, steps=steps,
                           init_checkpoint=args.init_checkpoint, seed=cfg.seed)
   elif args.part == "sampler":
     port = args.port

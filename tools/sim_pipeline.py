@@ -1,4 +1,4 @@
-"""Projects asynchronous vs synchronous RL with the pipeline simulator (issue 7, "at scale").
+"""Projects asynchronous vs synchronous RL at scale with the pipeline simulator.
 
 Runs three scenarios from `pipeline.sim_scenarios` and prints, per scenario, its assumptions, a
 table (synchronous baseline and asynchronous runs at several max staleness k, same prompts,

@@ -4,7 +4,7 @@
 
 Which phases run follows the gin files (a phase runs when its run file is included, see
 tools/configs/runs/). The final model is saved to <run_dir>/final_model (moe.checkpoint), ready
-for `//rollout:server -- --checkpoint=...` and `//tools:eval -- --checkpoint=...`.
+for `//tools:serve -- --checkpoint=...` and `//tools:eval -- --checkpoint=...`.
 """
 
 from __future__ import annotations

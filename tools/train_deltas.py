@@ -20,7 +20,7 @@ import numpy as np
 
 from moe import sharding
 from moe.config import ModelConfig
-from rl.learner import Learner
+from rl import learner as learner_lib
 from rl.train_state import OptimizerConfig
 from rl.train_step import LossConfig
 
@@ -49,10 +49,12 @@ def learner_versions(cfg: ModelConfig, *, steps: int, learning_rate: float, rows
   """
   if steps < 1:
     raise ValueError("steps must be >= 1")
-  learner = Learner(cfg, mesh=sharding.make_mesh((1, 1, 1, 1)),
-                    opt_cfg=OptimizerConfig(learning_rate=learning_rate, warmup_steps=0,
-                                            schedule="constant"),
-                    loss_cfg=LossConfig(objective="next_token"), seed=seed)
+  learner = learner_lib.build_learner(
+      learner_lib.LearnerConfig(
+          optimizer=OptimizerConfig(learning_rate=learning_rate, warmup_steps=0,
+                                    schedule="constant"),
+          loss=LossConfig(objective="next_token")),
+      cfg, mesh=sharding.make_mesh((1, 1, 1, 1)), seed=seed)
   flat, version = learner.sampler_weights(dtype)
   yield version, flat, float("nan")
   for i in range(steps):

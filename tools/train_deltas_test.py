@@ -42,7 +42,7 @@ def test_command_line_learner_mode(tmp_path):
   args = ["--learner_steps", "2", "--learner_lrs", "1e-4", "--repeats", "1", "--no_sim",
           "--json", str(out)]
   for b in small:
-    args += ["--binding", f"ModelConfig.{b}"]
+    args.append(f"--gin.ModelConfig.{b}")
   assert bench_sync.main(args) == 0
   report = json.loads(out.read_text())
   assert [r["label"] for r in report["rows"]] == ["learner lr=0.0001 v0->v1",

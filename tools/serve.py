@@ -1,39 +1,33 @@
-"""Starts the sampling server: `bazel run //rollout:server -- --hf_checkpoint=DIR --port=PORT`.
+"""Starts the sampling server: `bazel run //tools:serve -- --hf_checkpoint=DIR --port=PORT`.
 
-Sources of weights (exactly one): `--hf_checkpoint DIR` (imported through `moe.hf`),
-`--checkpoint DIR` (a project checkpoint, `moe.checkpoint`), or `--gin_file` model presets
-(random init with `--seed`; e.g. `--gin_file=moe/configs/tiny.gin`). Engine settings come from
-flags or gin bindings of `rollout.EngineConfig` (`--gin_param=EngineConfig.max_slots=32`).
-gin is used only here, at the edge; the library takes plain arguments.
+Sources of weights (exactly one):
+`--hf_checkpoint=DIR` (imported through `moe.hf`), `--checkpoint=DIR` (a project checkpoint,
+`moe.checkpoint`), or `--gin_file` model presets (random init with `--seed`; e.g.
+`--gin_file=moe/configs/tiny.gin`). Engine settings come from flags or gin bindings of
+`rollout.EngineConfig` (`--gin.EngineConfig.max_slots=32`; tools/configs/runs/serve.gin lists
+them). gin is used only here, at the edge; `rollout.loading.load_engine` takes plain arguments.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import sys
 from typing import Optional, Sequence
 
-import gin
-
 from rollout import loading
 from rollout import server as server_lib
-from rollout import tokenizers
-from rollout.engine import Engine, EngineConfig
+from rollout.engine import Engine
 from tools import configs
-
-GinEngineConfig = gin.external_configurable(EngineConfig, module="rollout")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+  """The flags; `gin_bindings` holds the `--gin.X=V` bindings."""
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--hf_checkpoint", help="Hugging Face checkpoint directory (moe.hf import)")
   p.add_argument("--checkpoint", help="project checkpoint directory (moe.checkpoint)")
-  p.add_argument("--gin_file", action="append", default=[], help="gin files (model presets)")
-  p.add_argument("--gin_param", action="append", default=[], help="gin bindings")
   p.add_argument("--seed", type=int, default=0, help="init seed for --gin_file models")
   p.add_argument("--host", default="127.0.0.1")
   p.add_argument("--port", type=int, default=8000)
@@ -49,41 +43,24 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   p.add_argument("--max_queue", type=int, default=None)
   p.add_argument("--deterministic", action="store_true", default=None)
   p.add_argument("--request_timeout", type=float, default=600.0)
-  return p.parse_args(argv)
-
-
-def _eos_from_hf(path: str) -> tuple:
-  try:
-    with open(os.path.join(path, "config.json")) as f:
-      eos = json.load(f).get("eos_token_id")
-  except (OSError, ValueError):
-    return ()
-  if eos is None:
-    return ()
-  return tuple(eos) if isinstance(eos, list) else (int(eos),)
+  args, args.gin_file, args.gin_bindings = configs.parse_flags(p, sys.argv[1:] if argv is None
+                                                               else argv)
+  return args
 
 
 def build_engine(args: argparse.Namespace) -> Engine:
   """The engine the flags describe (weights loaded, loop started)."""
-  configs.parse(args.gin_file, args.gin_param)
+  configs.parse(args.gin_file, args.gin_bindings)
   cfg = None
   if args.hf_checkpoint is None and args.checkpoint is None:
     if not args.gin_file:
       raise SystemExit("give --hf_checkpoint, --checkpoint or --gin_file (a model preset)")
     cfg = configs.model_config()
-  model = loading.load_model(hf_checkpoint=args.hf_checkpoint, checkpoint=args.checkpoint,
-                             config=cfg, seed=args.seed, max_seq_len=args.max_len)
-  tok = tokenizers.for_checkpoint(args.hf_checkpoint, model.config.vocab_size)
-  ec = GinEngineConfig()
   over = {k: getattr(args, k) for k in ("max_slots", "max_len", "decode_steps", "max_queue",
                                           "deterministic") if getattr(args, k) is not None}
-  eos = _eos_from_hf(args.hf_checkpoint) if args.hf_checkpoint else ()
-  if not eos and tok is not None and tok.eos_id is not None:
-    eos = (tok.eos_id,)
-  if eos and not ec.eos_token_ids:
-    over["eos_token_ids"] = tuple(t for t in eos if t < model.config.vocab_size)
-  ec = dataclasses.replace(ec, **over)
-  return Engine(model, config=ec, tokenizer=tok)
+  ec = dataclasses.replace(configs.GinEngineConfig(), **over)
+  return loading.load_engine(ec, hf_checkpoint=args.hf_checkpoint, checkpoint=args.checkpoint,
+                             config=cfg, seed=args.seed, max_seq_len=args.max_len)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -1,0 +1,77 @@
+"""The multi-process learner (`//tools:rl_part -- learner`) and the in-process one (the main job's
+RL phase) are built with identical settings from one gin config.
+
+Both real paths run: `rl_part.main` through pipeline.processes.run_learner, and what
+`//tools:main` does (its flag parsing, configs.load_experiment, experiment.run.make_rl_learner).
+The test captures what each hands to rl.learner.build_learner and the learner that came back, and
+overrides every kind of setting away from its default, so a path that drops or re-derives one
+(the old run_learner trained with aux_loss on and default clipping) fails.
+"""
+
+import sys
+
+import numpy as np
+import pytest
+
+from experiment import run as run_lib
+from moe import build
+from moe import sharding
+from rl import learner as learner_lib
+from tools import configs
+from tools import main as main_lib
+from tools import rl_part
+
+FLAGS = ["--gin_file=tools/configs/experiments/default.gin",
+         "--gin.OptimizerConfig.learning_rate=3e-4", "--gin.OptimizerConfig.warmup_steps=3",
+         "--gin.LossConfig.replay='proximal'", "--gin.PolicyLossConfig.clip_eps_high=0.28",
+         "--gin.PolicyLossConfig.kl_coef=0.01", "--gin.LearnerConfig.micro_batches=2",
+         "--gin.PipelineConfig.max_staleness=3", "--gin.ExperimentConfig.seed=5"]
+
+
+@pytest.fixture
+def built(monkeypatch):
+  """Every build_learner call: (config, model config, keyword arguments, the learner)."""
+  calls = []
+  real = learner_lib.build_learner
+
+  def capture(config, model_cfg, **kw):
+    learner = real(config, model_cfg, **kw)
+    calls.append((config, model_cfg, kw, learner))
+    return learner
+
+  monkeypatch.setattr(learner_lib, "build_learner", capture)
+  return calls
+
+
+def test_in_process_and_multi_process_learners_get_identical_settings(tmp_path, built):
+  assert rl_part.main(["learner", f"--workdir={tmp_path}", "--steps=0", *FLAGS]) == 0
+  _, files, bindings = main_lib.parse_args(FLAGS)
+  cfg = configs.load_experiment(files, bindings)
+  run_lib.make_rl_learner(cfg, build.create(cfg.model, seed=cfg.seed),
+                          sharding.make_mesh(cfg.mesh_shape))
+  assert len(built) == 2
+  (multi_cfg, multi_model, multi_kw, multi), (in_cfg, in_model, in_kw, inproc) = built
+  assert multi_cfg == in_cfg == cfg.rl.learner and multi_model == in_model == cfg.model
+  for key in ("seed", "max_staleness"):
+    assert multi_kw[key] == in_kw[key]
+  for attr in ("opt_cfg", "loss_cfg", "micro_batches", "minibatches", "sampler_dtype"):
+    assert getattr(multi, attr) == getattr(inproc, attr), attr
+  # ... and they are the flags' values, not defaults.
+  loss, opt = multi.loss_cfg, multi.opt_cfg
+  assert (opt.learning_rate, opt.warmup_steps) == (3e-4, 3)
+  assert (loss.objective, loss.aux_loss, loss.replay, loss.max_staleness) == (
+      "policy", False, "proximal", 3)
+  assert (loss.policy.clip_eps_low, loss.policy.clip_eps_high, loss.policy.kl_coef) == (
+      0.2, 0.28, 0.01)
+  assert (multi.micro_batches, multi.sampler_dtype, multi_kw["seed"]) == (2, np.float32, 5)
+
+
+def test_a_second_staleness_bound_is_refused(tmp_path):
+  """PipelineConfig.max_staleness is the run's one bound; naming another in the loss fails."""
+  with pytest.raises(ValueError, match="disagrees with the pipeline's bound"):
+    rl_part.main(["learner", f"--workdir={tmp_path}", "--steps=0", *FLAGS,
+                  "--gin.LossConfig.max_staleness=1"])
+
+
+if __name__ == "__main__":
+  sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
