@@ -19,7 +19,7 @@ from launch import discovery
 from launch import local
 from launch import spec
 from launch import targets
-from tests import waiting
+from testlib import waiting
 
 SERVER = spec.PyModule("launch.testdata.echo_server")
 CLIENT = spec.PyModule("launch.testdata.echo_client")

@@ -13,7 +13,7 @@ from rollout import testing
 from rollout import tokenizers
 from rollout.engine import Engine, EngineConfig, QueueFull
 from rollout.sampling import SamplingParams
-from tests import waiting
+from testlib import waiting
 
 PROMPTS = [[5, 17, 200, 3, 9, 44, 12], [100, 101, 102], [7] * 11, [250, 1, 2, 3, 4]]
 

@@ -19,7 +19,7 @@ from moe import hf
 from rollout import server as server_lib
 from rollout import testing
 from rollout.sampling import SamplingParams
-from tests import waiting
+from testlib import waiting
 
 TOKEN = "s3cret"
 

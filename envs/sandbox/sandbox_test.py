@@ -11,7 +11,7 @@ import pytest
 
 from envs import sandbox
 from envs.sandbox import pool as pool_lib
-from tests import waiting
+from testlib import waiting
 
 _MARK = f"envs-hostile-{os.getpid()}"
 

@@ -13,7 +13,7 @@ import pytest
 
 from envs import sandbox
 from envs.sandbox import pool as pool_lib
-from tests import waiting
+from testlib import waiting
 
 _PROBE = """
 import os, sys, __main__

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from sync.delta import parallel
-from tests import waiting
+from testlib import waiting
 
 
 def test_map_all_keeps_order_runs_each_item_once_and_balances():

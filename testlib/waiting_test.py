@@ -1,4 +1,4 @@
-"""Tests for tests.waiting: the waits return as soon as they can and fail loudly at the deadline."""
+"""Tests for testlib.waiting: the waits return as soon as they can and fail loudly at the deadline."""
 
 import os
 import subprocess
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests import waiting
+from testlib import waiting
 
 
 def test_wait_until_returns_the_first_truthy_value():

@@ -1,0 +1,1 @@
+"""testlib: helpers for the tests of every package (bottom layer, test-only; see build_defs/layers.bzl)."""
