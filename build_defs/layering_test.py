@@ -1,4 +1,5 @@
-"""The layers of build_defs/layers.bzl hold: in every Python import, in every BUILD file, and in
+"""The layers of build_defs/layers.bzl hold, and no modules import each other in a circle: in every
+Python import, in every BUILD file, and in
 Bazel itself (a wrong-way dependency fails `bazel build`).
 
 The test reads the source tree, not its runfiles: under `bazel test` (local spawn strategy) the
@@ -104,6 +105,80 @@ def test_the_import_check_catches_a_wrong_way_import(tmp_path):
   layers = {"low": [], "high": ["low"], "helpers": []}
   found = import_violations(str(tmp_path), layers, ["helpers"])
   assert found == ["low/m.py:2: low imports high", "high/m.py:2: high imports helpers"]
+
+
+def _module_graph(root, pkgs):
+  """{module: modules it imports} over the Python files of `pkgs` under `root`.
+
+  `from a.b import c` is an edge to the module a.b.c when that is a module (not to the package
+  a.b, whose __init__ merely re-exports), else to a.b.
+  """
+  mods = {}
+  for pkg in pkgs:
+    for path in _python_files(pkg, root):
+      name = os.path.relpath(path, root)[:-3].replace(os.sep, ".")
+      mods[name[:-len(".__init__")] if name.endswith(".__init__") else name] = path
+  graph = {m: set() for m in mods}
+  for m, path in mods.items():
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
+      if isinstance(node, ast.Import):
+        graph[m].update(a.name for a in node.names if a.name in mods)
+      elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        subs = [f"{node.module}.{a.name}" for a in node.names
+                if f"{node.module}.{a.name}" in mods]
+        graph[m].update(subs)
+        if len(subs) < len(node.names) and node.module in mods:
+          graph[m].add(node.module)
+  return graph
+
+
+def import_cycles(root=ROOT, pkgs=tuple(LAYERS) + ("build_defs",)):
+  """Every set of two or more modules that import each other in a circle (any import, lazy ones
+  inside functions included: a lazy import only hides a circle)."""
+  graph = _module_graph(root, pkgs)
+  index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+  def connect(v):  # Tarjan's strongly connected components
+    index[v] = low[v] = len(index)
+    stack.append(v)
+    on_stack.add(v)
+    for w in sorted(graph[v]):
+      if w not in index:
+        connect(w)
+        low[v] = min(low[v], low[w])
+      elif w in on_stack:
+        low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+      comp = []
+      while True:
+        w = stack.pop()
+        on_stack.discard(w)
+        comp.append(w)
+        if w == v:
+          break
+      if len(comp) > 1:
+        cycles.append(sorted(comp))
+
+  sys.setrecursionlimit(max(sys.getrecursionlimit(), 10 * len(graph) + 100))
+  for v in sorted(graph):
+    if v not in index:
+      connect(v)
+  return cycles
+
+
+def test_no_import_cycle_between_modules():
+  assert import_cycles() == []
+
+
+def test_the_cycle_check_finds_a_lazy_circle_but_not_a_package_reexport(tmp_path):
+  pkg = tmp_path / "p"
+  pkg.mkdir()
+  (pkg / "__init__.py").write_text("from p.a import f\n")  # re-export: no circle
+  (pkg / "a.py").write_text("from p import b\ndef f():\n  pass\n")
+  (pkg / "b.py").write_text("def g():\n  from p.c import h\n")
+  (pkg / "c.py").write_text("import p.a\n")  # c -> a -> b -> (lazily) c
+  (pkg / "d.py").write_text("from p import a\n")
+  assert import_cycles(str(tmp_path), ["p"]) == [["p.a", "p.b", "p.c"]]
 
 
 def test_gin_only_in_tools():
