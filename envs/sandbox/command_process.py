@@ -15,8 +15,8 @@ sandboxed code runs while one waits, and each child serves exactly one command. 
 process carries nothing from earlier commands.
 
 Request (a `marshal`led dict from the zygote, read to EOF on REQUEST_FD): argv, cpu_s,
-memory_mb, nproc, fsize_mb, env, cwd, fast_path. Descriptors: 0 stdin, 1 stdout, 2 stderr,
-AUDIT_FD audit events (see `audit_hook`), all pipes to the zygote.
+memory_mb, nproc, rlimit_nproc, fsize_mb, env, cwd, fast_path. Descriptors: 0 stdin, 1 stdout,
+2 stderr, AUDIT_FD audit events (see `audit_hook`), all pipes to the zygote.
 """
 
 import atexit
@@ -39,8 +39,8 @@ STATUS_FD = 1002  # Fast path only: "pid code" written just before exiting (not 
 _PR_GET_DUMPABLE = 3
 _PR_SET_DUMPABLE = 4
 _WARM_REQUEST = marshal.dumps({"argv": ["python3", "main.py"], "cpu_s": 11, "memory_mb": 512,
-                               "nproc": 64, "fsize_mb": 64, "env": {"A": "b"}, "cwd": None,
-                               "fast_path": True})
+                               "nproc": 64, "rlimit_nproc": 72, "fsize_mb": 64,
+                               "env": {"A": "b"}, "cwd": None, "fast_path": True})
 PYTHONS = ("python", "python3", "/usr/bin/python3", "/usr/bin/python", "/bin/python3",
            "python3.11", "/usr/bin/python3.11")
 _MB = 1 << 20
@@ -159,8 +159,9 @@ def _run(req, base_path, workspace):
   for which, value in (
       (resource.RLIMIT_CPU, int(req["cpu_s"])),
       (resource.RLIMIT_AS, int(req["memory_mb"]) * _MB),
-      # The pids cgroup (nproc + 1, counted, see slot.py) binds first where there is one.
-      (resource.RLIMIT_NPROC, int(req["nproc"]) + 8),
+      # The host decides (slot.py): the host-wide cap where a pids cgroup (nproc + 1) bounds
+      # the sandbox, else nproc plus some slack.
+      (resource.RLIMIT_NPROC, int(req["rlimit_nproc"])),
       (resource.RLIMIT_FSIZE, int(req["fsize_mb"]) * _MB),
       (resource.RLIMIT_CORE, 0),
       (resource.RLIMIT_NOFILE, 256)):

@@ -5,6 +5,15 @@ unprivileged uid so RLIMIT_NPROC binds and files are not root's), and a stdlib P
 /usr/bin/python3 to run inside. cgroup v1 memory and pids controllers are used when writable
 (whole-sandbox memory and process caps, OOM attribution); without them per-process rlimits are
 the only caps and every result says so.
+
+Process limits. RLIMIT_NPROC is not a per-process limit: the kernel compares it with the number
+of tasks of the caller's real uid, and every sandbox runs as the same uid (nobody). Since Linux
+5.14 that count is kept per user namespace, so inside a bwrap sandbox it covers that sandbox
+alone, but a degraded sandbox (no namespaces) counts every process of the uid on the host: one
+tenant's fork bomb, or many live sandboxes, would make another sandbox's fork fail. So where a
+sandbox has its own pids cgroup, the cgroup is its process bound and RLIMIT_NPROC is only the
+host-wide safety cap `nproc_cap` (the same for every sandbox; see `slot`); where it has none,
+its `isolation` string says whether its process limit is shared.
 """
 
 from __future__ import annotations
@@ -12,6 +21,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import platform
+import resource
 import shutil
 import subprocess
 
@@ -29,19 +40,47 @@ class HostFeatures:
   cgroup_pids: str | None
   is_root: bool
   problems: tuple[str, ...]
+  # RLIMIT_NPROC of sandbox processes where a pids cgroup bounds each sandbox: a cap on all
+  # tasks of the sandbox uid together, far above any one sandbox's bound (see `nproc_cap`).
+  nproc_cap: int = 0
+  # Whether the kernel counts RLIMIT_NPROC per user namespace (Linux >= 5.14), i.e. per bwrap
+  # sandbox; before, every sandbox of the uid shares one count.
+  nproc_per_userns: bool = True
 
   @property
   def full_isolation(self) -> bool:
     return bool(self.bwrap and self.namespaces and self.python)
 
+  @property
+  def nproc_shared(self) -> bool:
+    """Whether a sandbox's process limit counts other sandboxes' processes (no pids cgroup)."""
+    if self.cgroup_pids:
+      return False
+    return not (self.full_isolation and self.nproc_per_userns)
+
   def describe(self) -> str:
+    """The isolation in words. `Slot` describes each sandbox with what it really got."""
+    uid = "uid nobody" if self.is_root else "this user's uid"
+    shared = (f"process limit SHARED: RLIMIT_NPROC counts every process of {uid} on the host, "
+              "other sandboxes' included")
     if self.full_isolation:
-      parts = ["bwrap: user+pid+net+ipc+uts+mount namespaces, uid nobody, rlimits"]
+      parts = [f"bwrap: user+pid+net+ipc+uts+mount namespaces, {uid}, rlimits"]
       parts.append("cgroup memory" if self.cgroup_memory else "no memory cgroup (rlimit AS only)")
-      parts.append("cgroup pids" if self.cgroup_pids else "no pids cgroup (rlimit NPROC only)")
+      if self.cgroup_pids:
+        parts.append("cgroup pids")
+      elif self.nproc_per_userns:
+        parts.append("no pids cgroup (rlimit NPROC only, counted per sandbox user namespace)")
+      else:
+        parts.append(f"no pids cgroup ({shared}: kernel before 5.14)")
       return ", ".join(parts)
-    return ("DEGRADED (no namespaces: network, filesystem and pid isolation NOT enforced; "
-            "rlimits, uid and process-group kill only): " + "; ".join(self.problems))
+    kept = ["rlimits", uid, "process-group kill"]
+    kept += [name for name, on in (("cgroup memory", self.cgroup_memory),
+                                   ("cgroup pids", self.cgroup_pids)) if on]
+    text = ("DEGRADED (no namespaces: network, filesystem and pid isolation NOT enforced; "
+            + ", ".join(kept) + " only")
+    if not self.cgroup_pids:
+      text += "; " + shared
+    return text + "): " + "; ".join(self.problems)
 
 
 def _own_cgroup_dir(controller: str) -> str | None:
@@ -66,6 +105,38 @@ def _own_cgroup_dir(controller: str) -> str | None:
   except OSError:
     return None
   return parent
+
+
+def _kernel_at_least(major: int, minor: int) -> bool:
+  try:
+    got = tuple(int(x) for x in platform.release().split("-")[0].split(".")[:2])
+  except ValueError:
+    return False
+  return got >= (major, minor)
+
+
+def _read_int(path: str) -> int | None:
+  try:
+    with open(path) as f:
+      return int(f.read().split()[0])
+  except (OSError, ValueError, IndexError):
+    return None
+
+
+def nproc_cap() -> int:
+  """The host-wide cap on tasks of the sandbox uid: half the host's pid space.
+
+  Half of min(kernel.pid_max, kernel.threads-max), so sandboxes together can never take the
+  pids the host itself needs, yet far above what any one sandbox's pids cgroup allows (so it
+  never binds before the cgroup does). Not above our own hard limit, which only root may raise.
+  """
+  space = min(v for v in (_read_int("/proc/sys/kernel/pid_max"),
+                          _read_int("/proc/sys/kernel/threads-max"), 1 << 22) if v)
+  cap = max(1024, space // 2)
+  hard = resource.getrlimit(resource.RLIMIT_NPROC)[1]
+  if os.geteuid() != 0 and hard != resource.RLIM_INFINITY:
+    cap = min(cap, hard)
+  return cap
 
 
 @functools.lru_cache(maxsize=None)
@@ -104,6 +175,10 @@ def detect() -> HostFeatures:
       cgroup_pids=_own_cgroup_dir("pids"),
       is_root=os.geteuid() == 0,
       problems=tuple(problems),
+      nproc_cap=nproc_cap(),
+      # ucounts-based RLIMIT_NPROC (commit 21d1c5e386bc, "Reimplement RLIMIT_NPROC on top of
+      # ucounts") counts per user namespace.
+      nproc_per_userns=_kernel_at_least(5, 14),
   )
 
 

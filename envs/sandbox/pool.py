@@ -9,7 +9,9 @@ start latency ~2x on 2 cores). With no idle slot left it starts at once, so burs
 
 `max_live` caps idle plus in-use slots, so a burst of a thousand queued episodes waits for slots
 instead of starting a thousand sandboxes at once: memory stays bounded at roughly `max_live`
-times the per-sandbox footprint.
+times the per-sandbox footprint. A released slot counts until every one of its processes is gone
+(reaped; `Slot.close`, in a teardown thread): until then its memory and processes are still
+there, and counting it keeps a replacement from running beside them.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class WarmPool:
     self._closed = False
     self.stats = collections.Counter()
     self._teardown: queue.Queue = queue.Queue()
+    self._torn_down = threading.Event()
     self._threads = [threading.Thread(target=self._spawn_loop, daemon=True, name=f"spawn-{i}")
                      for i in range(max(1, spawn_threads))]
     self._teardown_threads = [threading.Thread(target=self._teardown_loop, daemon=True,
@@ -89,6 +92,17 @@ class WarmPool:
     return self.features.describe()
 
   def _spawn_loop(self) -> None:
+    try:
+      self._spawn_until_closed()
+    finally:
+      # bwrap --die-with-parent ties each sandbox to the thread that started it: had this
+      # thread ended while a slot it started was being torn down, the kernel would kill that
+      # bwrap before it reaped the sandbox's init, orphaning the init to the host's init, which
+      # may reap it only seconds later (and until then it counts, see `Slot.close`). So the
+      # thread outlives the pool's teardown (bounded: close() sets this after its own waits).
+      self._torn_down.wait(120)
+
+  def _spawn_until_closed(self) -> None:
     while True:
       with self._cv:
         while not self._closed:
@@ -113,7 +127,7 @@ class WarmPool:
       except Exception:  # pylint: disable=broad-except
         self.stats["spawn_failures"] += 1
         if slot is not None:
-          self._teardown.put(slot)
+          slot.cleanup()  # Here, not queued: close() may have stopped the teardown threads.
         with self._cv:
           self._starting -= 1
           self._live -= 1
@@ -123,22 +137,32 @@ class WarmPool:
       with self._cv:
         self._starting -= 1
         self.stats["spawned"] += 1
-        if self._closed:
+        closed = self._closed
+        if closed:
           self._live -= 1
-          self._teardown.put(slot)
         else:
           self._idle.append(slot)
         self._cv.notify_all()
+      if closed:
+        slot.cleanup()  # As above.
 
   def _teardown_loop(self) -> None:
     while True:
-      slot = self._teardown.get()
-      if slot is None:
+      item = self._teardown.get()
+      if item is None:
         return
+      slot, counted = item if isinstance(item, tuple) else (item, False)
       try:
         slot.cleanup()
+        if slot.processes_gone is False:
+          self.stats["teardown_incomplete"] += 1
       except Exception:  # pylint: disable=broad-except
         self.stats["cleanup_failures"] += 1
+      finally:
+        if counted:
+          with self._cv:
+            self._live -= 1
+            self._cv.notify_all()
 
   def acquire(self, timeout_s: float | None = 60.0) -> slot_lib.Slot:
     """Returns a ready, unused sandbox; blocks while none is idle."""
@@ -162,13 +186,12 @@ class WarmPool:
         self._cv.wait(left)
 
   def release(self, slot: slot_lib.Slot) -> None:
-    """Destroys a used sandbox (synchronously kills it; cleans its files in the background)."""
-    slot.close()
+    """Destroys a used sandbox: kills it now; in the background, waits until its processes are
+    gone, then no longer counts it against `max_live` and removes its files."""
+    slot.kill()
     with self._cv:
-      self._live -= 1
       self.stats["released"] += 1
-      self._cv.notify_all()
-    self._teardown.put(slot)
+    self._teardown.put((slot, True))
 
   def wait_warm(self, timeout_s: float = 30.0) -> None:
     """Blocks until `size` sandboxes are idle (for benchmarks and tests)."""
@@ -194,14 +217,16 @@ class WarmPool:
       self._idle.clear()
       self._cv.notify_all()
     for slot in idle:
-      slot.close()
+      slot.kill()
       self._teardown.put(slot)
-    for t in self._threads:
-      t.join(timeout=10)
+    # Teardown first, then the spawner threads (see _spawn_loop).
     for _ in self._teardown_threads:
       self._teardown.put(None)
     for t in self._teardown_threads:
       t.join(timeout=60)
+    self._torn_down.set()
+    for t in self._threads:
+      t.join(timeout=20)
     if self._own_root:
       shutil.rmtree(self.root, ignore_errors=True)
 

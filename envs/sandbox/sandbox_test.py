@@ -3,14 +3,21 @@
 Every hostile test ends by checking the host is unharmed and the fleet still serves.
 """
 
+import dataclasses
 import os
+import shutil
+import signal
 import socket
 import sys
+import tempfile
+import threading
 
 import pytest
 
 from envs import sandbox
+from envs.sandbox import hostcheck
 from envs.sandbox import pool as pool_lib
+from envs.sandbox import slot as slot_lib
 from testlib import waiting
 
 _MARK = f"envs-hostile-{os.getpid()}"
@@ -278,6 +285,129 @@ def test_degraded_mode_says_so_in_every_result():
     r = sandbox.run(command=["sh", "-c", f"sh -c 'sleep 100; : {_MARK}-d' & echo bg"], pool=p)
     assert r.stdout == "bg\n"
     _wait_gone(f"{_MARK}-d")
+
+
+# Holds this many processes in one sandbox: more than the RLIMIT_NPROC (nproc + 8) of the
+# sandboxes below, so a limit that counted other sandboxes' processes would refuse their forks.
+_HELD = 40
+_HOLD = """
+import os, sys, time
+for _ in range(int(sys.argv[1])):
+  if os.fork() == 0:
+    time.sleep(120)
+    os._exit(0)
+time.sleep(120)
+"""
+# Forks 10 processes, well within nproc=16.
+_FORK_TEN = ["sh", "-c", "for i in 1 2 3 4 5 6 7 8 9 10; do sleep 0.01 & done; wait; echo forked"]
+
+
+@pytest.fixture
+def held(pool):
+  """One tenant's sandbox holding _HELD processes (uid nobody on the host) while the test runs."""
+  mark = f"{_MARK}-held"
+  with sandbox.Sandbox({}, pool=pool) as sb:
+    result = {}
+    # The real interpreter (not the fast path), so each process's command line has the mark.
+    t = threading.Thread(target=lambda: result.update(r=sb.exec(
+        ["python3", "-c", _HOLD, str(_HELD), mark], fast_path=False, nproc=_HELD + 10,
+        timeout_s=120)))
+    t.start()
+    try:
+      waiting.wait_until(lambda: len(_host_procs_with(mark)) > _HELD,
+                         lambda: f"{_HELD + 1} held processes (have {_host_procs_with(mark)})",
+                         timeout_s=30)
+      yield
+    finally:
+      for pid in _host_procs_with(mark):
+        try:
+          os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+          pass
+      waiting.wait_until(lambda: not t.is_alive(), "the holding command to end", timeout_s=30)
+  assert result["r"].infra_error is None, result["r"]
+
+
+@pytest.mark.parametrize("degraded", [False, True], ids=["namespaces", "degraded"])
+def test_process_limit_is_per_sandbox(held, degraded):
+  # Another sandbox's processes do not count against this one's limit. The degraded sandbox
+  # gets the host's pids cgroup, as a bwrap sandbox does; before, its RLIMIT_NPROC (nproc + 8)
+  # counted every uid-nobody process on the host and its forks failed ("Cannot fork").
+  del held
+  with pool_lib.WarmPool(size=1, force_degraded=degraded) as other:
+    r = sandbox.run(command=_FORK_TEN, nproc=16, pool=other)
+  assert (r.exit_code, r.stdout) == (0, "forked\n"), r
+  assert not any(v.startswith("process_limit") for v in r.violations), r
+
+
+def _slot_root():
+  # Under /tmp, traversable by the sandbox uid (pytest's tmp_path is not), and named as a
+  # pool's root is, so one left by a killed run is swept by the next (slot.sweep_stale).
+  root = tempfile.mkdtemp(prefix=f"envs-fleet-{os.getpid()}-", dir="/tmp")
+  os.chmod(root, 0o711)
+  return root
+
+
+def test_shared_process_limit_is_reported(held):
+  # Without namespaces and without a pids cgroup, RLIMIT_NPROC is the only process limit and
+  # the kernel counts it across the host's uid: the result must say so, and a refused fork
+  # must say why.
+  del held
+  features = dataclasses.replace(hostcheck.detect(), cgroup_memory=None, cgroup_pids=None)
+  root = _slot_root()
+  s = slot_lib.Slot(root, features, degraded=True)
+  try:
+    s.wait_ready()
+    r = s.exec(_FORK_TEN, nproc=16)
+  finally:
+    s.cleanup()
+    shutil.rmtree(root)
+  assert r.isolation.startswith("DEGRADED") and "process limit SHARED" in r.isolation, r
+  assert r.exit_code != 0 and "Cannot fork" in r.stderr, r
+  refused = [v for v in r.violations if v.startswith("process_limit")]
+  assert refused and "SHARED" in refused[0], r.violations
+
+
+def _tree(pid):
+  """(pid, start time) of pid and every descendant, so a reused pid is not mistaken for one."""
+  out, todo = [], [pid]
+  while todo:
+    p = todo.pop()
+    try:
+      with open(f"/proc/{p}/stat") as f:
+        out.append((p, f.read().rsplit(")", 1)[1].split()[19]))
+      for tid in os.listdir(f"/proc/{p}/task"):
+        with open(f"/proc/{p}/task/{tid}/children") as f:
+          todo += [int(c) for c in f.read().split()]
+    except OSError:
+      pass
+  return out
+
+
+def _exists(pid, start):
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[19] == start
+  except OSError:
+    return False
+
+
+@pytest.mark.parametrize("degraded", [False, True], ids=["namespaces", "degraded"])
+def test_close_returns_once_every_process_is_gone(degraded):
+  # Gone means reaped: a dying or zombie process still counts against the uid's RLIMIT_NPROC,
+  # so one left behind would count against the sandboxes that start next.
+  with pool_lib.WarmPool(size=1, force_degraded=degraded) as p:
+    s = p.acquire()
+    try:
+      assert s.exec(["true"]).exit_code == 0
+      assert s.spare_pid() is not None  # Answered once the spare after the exec exists.
+      procs = _tree(s.proc.pid)
+      assert len(procs) >= 2, procs  # At least the zygote and its spare.
+    finally:
+      s.close()
+    # No wait here: close itself must have waited.
+    assert [p for p in procs if _exists(*p)] == [] and s.processes_gone, procs
+    p.release(s)
 
 
 if __name__ == "__main__":

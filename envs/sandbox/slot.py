@@ -1,9 +1,19 @@
 """One pre-started sandbox: a bubblewrap container running the zygote, with a private directory.
 
 A slot is started ahead of demand (by `pool`), used by exactly one episode, then destroyed:
-killing the outer bwrap process takes down the zygote, which is PID 1 of the sandbox's PID
-namespace, and with it every process inside. Single use is what guarantees that an episode never
-sees another episode's files or processes.
+killing the zygote, PID 1 of the sandbox's PID namespace, takes down every process inside, and
+`close` returns only once they are all gone (see there). Single use is what guarantees that an
+episode never sees another episode's files or processes.
+
+Process limits: every sandbox runs as the same host uid, and RLIMIT_NPROC counts all tasks of a
+uid (per user namespace since Linux 5.14; host-wide without namespaces). So where the sandbox has
+its own pids cgroup (degraded sandboxes too: cgroups do not need namespaces), `pids.max` is the
+sandbox's process bound and every process of the sandbox gets RLIMIT_NPROC = the host-wide cap
+`HostFeatures.nproc_cap`, which also bounds (as the user namespaces' limit) all sandboxes'
+processes together; one sandbox's processes never count against another's bound. Without a pids
+cgroup RLIMIT_NPROC (nproc + 8) is the bound, and where the kernel counts it across sandboxes
+(degraded mode, kernels before 5.14) the sandbox's `isolation`, and any refused fork's
+`process_limit` violation, say that it is shared.
 
 Machine state: a fresh slot's workspace is an empty host directory bind-mounted at /workspace. The
 task snapshot is materialized into it by `populate` as plain file copies from the snapshot held
@@ -21,6 +31,7 @@ import dataclasses
 import itertools
 import json
 import os
+import resource
 import select
 import shutil
 import signal
@@ -36,6 +47,16 @@ _IDS = itertools.count()
 _IN_SANDBOX = ("zygote.py", "command_process.py", "audit_hook.py", "testrunner.py")
 _DEFAULT_MEMORY_MB = 512
 _DEFAULT_NPROC = 64
+# RLIMIT_NPROC above `nproc` where it is the process bound: it counts the zygote, its spare and
+# any bwrap helper of this uid too.
+_NPROC_SLACK = 8
+# How long `close` waits for the sandbox's processes to be gone (the kernel tears a PID namespace
+# down in milliseconds; this is for a host under heavy load).
+_TEARDOWN_S = 10.0
+# How long a degraded zygote gets at close to kill and reap its own processes before it is killed.
+_DEGRADED_EXIT_S = 2.0
+_SHARED_NPROC = ("; this sandbox's process limit is SHARED: RLIMIT_NPROC counts every process of "
+                 "its uid on the host, other sandboxes' included")
 # Extra memory for the zygote itself and tmpfs metadata on top of what the command may use.
 _ZYGOTE_MB = 48
 
@@ -121,18 +142,24 @@ class Slot:
       os.chown(self.dir, self.uid, self.uid)
     self.cgroups = {}
     for ctl, parent in (("memory", features.cgroup_memory), ("pids", features.cgroup_pids)):
-      if parent and not degraded:
+      if parent:
         path = os.path.join(parent, f"envs-{os.getpid()}-slot-{self.id}")
         try:
           os.mkdir(path)
           self.cgroups[ctl] = path
         except OSError:
           pass
-    self.isolation = (features.describe() if not degraded else
-                      hostcheck.HostFeatures(**{**dataclasses.asdict(features),
-                                                "namespaces": False}).describe())
+    # What this sandbox really got: a cgroup that could not be made is not there.
+    self.effective = dataclasses.replace(
+        features, namespaces=features.namespaces and not degraded,
+        cgroup_memory=self.cgroups.get("memory"), cgroup_pids=self.cgroups.get("pids"))
+    self.isolation = self.effective.describe()
+    # False at the end of `close` if some process of the sandbox outlived its bounded wait.
+    self.processes_gone: bool | None = None
     self.used = False
     self.closed = False
+    self._killed = False
+    self._init_killed = False
     self._lock = threading.Lock()
     self._limits: dict[str, str] = {}  # cgroup file -> the value last written there
     # Cgroup limit-hit counters as of the end of the last command: the next command's baseline.
@@ -169,6 +196,12 @@ class Slot:
              "/opt/envs/zygote.py", "--ns"]
     return argv
 
+  def _rlimit_nproc(self, nproc: int) -> int:
+    """RLIMIT_NPROC for a command allowed `nproc` processes (see the module docstring)."""
+    if "pids" in self.cgroups:
+      return max(self.features.nproc_cap, nproc + _NPROC_SLACK)
+    return nproc + _NPROC_SLACK
+
   def _preexec(self) -> None:
     # Runs in the forked child before exec: only raw os calls (no locks) are safe here.
     pid = str(os.getpid()).encode()
@@ -176,6 +209,11 @@ class Slot:
       fd = os.open(os.path.join(path, "cgroup.procs"), os.O_WRONLY)
       os.write(fd, pid)
       os.close(fd)
+    if "pids" in self.cgroups and self.features.nproc_cap:
+      # The host-wide cap, set before bwrap makes the user namespace: the kernel takes the
+      # namespace's limit on all tasks of the uid (host-wide, every sandbox's) from here.
+      cap = self.features.nproc_cap
+      resource.setrlimit(resource.RLIMIT_NPROC, (cap, cap))
     if self.features.is_root:
       try:
         # The zygote should survive an OOM; sandboxed code raises its own score to 1000 anyway.
@@ -310,6 +348,7 @@ class Slot:
     before = self._counts if self._counts is not None else self._read_counts()
     req = {"op": "exec", "argv": list(argv), "timeout_s": timeout_s, "memory_mb": memory_mb,
            "cpu_s": int(cpu_s if cpu_s is not None else max(1, timeout_s) + 1), "nproc": nproc,
+           "rlimit_nproc": self._rlimit_nproc(nproc),
            "fsize_mb": fsize_mb, "max_output_bytes": max_output_bytes, "env": env or {},
            "cwd": cwd, "stdin": stdin, "fast_path": fast_path}
     try:
@@ -323,6 +362,9 @@ class Slot:
     violations += _cgroup_violations(before, after, violations)
     for ev in resp["events"]:
       violations.append(f"{ev['kind']}: {ev['detail']}")
+    if self.effective.nproc_shared:
+      violations = [v + _SHARED_NPROC if v.startswith("process_limit") else v
+                    for v in violations]
     if self.degraded:
       violations.append("degraded_isolation: " + self.isolation)
     return Result(exit_code=resp["exit_code"], stdout=resp["stdout"], stderr=resp["stderr"],
@@ -348,21 +390,85 @@ class Slot:
 
   # -- teardown --------------------------------------------------------------------------------
 
+  def kill(self) -> None:
+    """Starts destroying the sandbox without waiting for it; `close` waits. Idempotent."""
+    if self._killed:
+      return
+    self._killed = True
+    if not self.degraded:
+      # Kill the namespace's init (the zygote), not bwrap: the kernel then kills everything else
+      # in the namespace, and the init's exit completes only once all of it has been reaped;
+      # bwrap, its parent, reaps it and exits. So bwrap's exit means every process is gone.
+      # (Killing bwrap instead would leave the init to die later, reparented elsewhere.)
+      self._init_killed = self._kill_ns_init()
+      if not self._init_killed:
+        _kill(self.proc)
+    else:
+      # Without namespaces the zygote is the subreaper of everything it started: at EOF on its
+      # control pipe it kills and reaps every one, then exits. (Killed first, its processes
+      # would be orphaned to the host's init, which may take seconds to reap them.)
+      try:
+        self.proc.stdin.close()
+      except OSError:
+        pass
+
   def close(self) -> None:
-    """Kills the sandbox (and everything in it) and waits for it; idempotent."""
+    """Kills the sandbox and every process in it, and waits until they are gone; idempotent.
+
+    Gone means reaped, not merely killed: a dying or zombie task still counts against
+    RLIMIT_NPROC and the pids cgroup (and holds memory), so a sandbox whose processes were still
+    being torn down would count against whatever starts next. The wait is bounded
+    (`_TEARDOWN_S`); `processes_gone` says whether it was enough.
+    """
     if self.closed:
       return
     self.closed = True
-    try:
-      self.proc.kill()
-    except OSError:
-      pass
-    self.proc.wait()
+    self.kill()
+    self.processes_gone = self._wait_gone(time.monotonic() + _TEARDOWN_S)
     for f in (self.proc.stdin, self.proc.stdout):
       try:
         f.close()
       except OSError:
         pass
+
+  def _wait_gone(self, deadline: float) -> bool:
+    left = lambda: max(0.0, deadline - time.monotonic())
+    if self.degraded:
+      # Busy or stuck if not done in time: killed; then what it left is found only through a
+      # cgroup.
+      gone = _wait_exit(self.proc, min(_DEGRADED_EXIT_S, left())) and self.proc.returncode == 0
+      _kill(self.proc)
+    else:
+      gone = self._init_killed
+    if not _wait_exit(self.proc, left()):
+      _kill(self.proc)
+      _wait_exit(self.proc, 1.0)
+      return False
+    # Where there is a cgroup it has the last word: kill whatever is in it until nothing is.
+    for ctl in ("pids", "memory"):
+      if ctl in self.cgroups:
+        return _empty_cgroup(self.cgroups[ctl], ctl, deadline)
+    return gone
+
+  def _kill_ns_init(self) -> bool:
+    """SIGKILLs the sandbox's PID 1 through a pidfd; False if it could not be found."""
+    bwrap = self.proc.pid
+    for pid in _children(bwrap):
+      try:
+        fd = os.pidfd_open(pid)
+      except OSError:
+        continue
+      try:
+        # Checked after opening the pidfd, which pins the process: a pid reused since the
+        # listing would not be bwrap's child (bwrap forks only the init).
+        if _ppid(pid) == bwrap:
+          signal.pidfd_send_signal(fd, signal.SIGKILL)
+          return True
+      except OSError:
+        pass
+      finally:
+        os.close(fd)
+    return False
 
   def cleanup(self) -> None:
     """Removes the slot's directory and cgroups; call after close()."""
@@ -440,6 +546,87 @@ def sweep_stale(features: hostcheck.HostFeatures, tmp_root: str = "/tmp") -> int
   except OSError:
     pass
   return removed
+
+
+def _wait_exit(proc: subprocess.Popen, timeout_s: float) -> bool:
+  """Waits up to timeout_s for proc to exit and reaps it; True if it did.
+
+  Through a pidfd, so it returns as the process exits (Popen.wait(timeout) polls, up to 50 ms
+  late).
+  """
+  if proc.poll() is not None:
+    return True
+  try:
+    fd = os.pidfd_open(proc.pid)
+  except OSError:
+    fd = None  # Already reaped elsewhere, or no pidfds (Linux < 5.3): poll instead.
+  if fd is not None:
+    try:
+      select.select([fd], [], [], timeout_s)
+    finally:
+      os.close(fd)
+    timeout_s = 0.0
+  try:
+    proc.wait(timeout_s)
+    return True
+  except subprocess.TimeoutExpired:
+    return False
+
+
+def _kill(proc: subprocess.Popen) -> None:
+  try:
+    proc.kill()
+  except OSError:
+    pass
+
+
+def _children(pid: int) -> list[int]:
+  """The children of `pid` (from /proc/PID/task/*/children, or a scan of /proc without it)."""
+  try:
+    tids = os.listdir(f"/proc/{pid}/task")
+  except OSError:
+    return []
+  out = []
+  try:
+    for tid in tids:
+      with open(f"/proc/{pid}/task/{tid}/children") as f:
+        out += [int(c) for c in f.read().split()]
+    return out
+  except FileNotFoundError:
+    if not os.path.exists(f"/proc/{pid}/task/{tids[0]}/children"):
+      # No CONFIG_PROC_CHILDREN in this kernel.
+      return [int(n) for n in os.listdir("/proc") if n.isdigit() and _ppid(int(n)) == pid]
+    return out  # A thread ended during the listing.
+  except (OSError, ValueError):
+    return out
+
+
+def _ppid(pid: int) -> int | None:
+  try:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+      return int(f.read().rsplit(b")", 1)[1].split()[1])
+  except (OSError, IndexError, ValueError):
+    return None
+
+
+def _empty_cgroup(path: str, ctl: str, deadline: float) -> bool:
+  """Kills what is in a cgroup until nothing is (a pids cgroup: until nothing counts there,
+  zombies included); False if something was left at the deadline."""
+  while True:
+    if ctl == "pids":
+      left = _read_int(os.path.join(path, "pids.current"))
+    else:
+      try:
+        with open(os.path.join(path, "cgroup.procs")) as f:
+          left = len(f.read().split())
+      except OSError:
+        left = 0
+    if not left:
+      return True
+    if time.monotonic() >= deadline:
+      return False
+    _kill_cgroup(path)
+    time.sleep(0.002)
 
 
 def _kill_cgroup(path: str) -> None:

@@ -320,6 +320,7 @@ class Zygote:
     body = marshal.dumps({
         "argv": argv, "cpu_s": int(req.get("cpu_s", 10)),
         "memory_mb": int(req.get("memory_mb", 512)), "nproc": int(req.get("nproc", 64)),
+        "rlimit_nproc": int(req.get("rlimit_nproc", int(req.get("nproc", 64)) + 8)),
         "fsize_mb": int(req.get("fsize_mb", 64)), "env": req.get("env") or {},
         "cwd": req.get("cwd"), "fast_path": bool(req.get("fast_path", True))})
     self._pgids = set()
@@ -404,7 +405,8 @@ class Zygote:
       violations.append("memory_limit: allocation refused")
     if b"File too large" in stderr:
       violations.append("file_size_limit: write refused (EFBIG)")
-    if b"Resource temporarily unavailable" in stderr or b"fork: retry" in stderr:
+    if (b"Resource temporarily unavailable" in stderr or b"fork: retry" in stderr
+        or b"Cannot fork" in stderr):  # The last: dash's words.
       violations.append("process_limit: fork refused")
     for name, fd in (("stdout", out_r), ("stderr", err_r)):
       if dropped[fd]:

@@ -116,10 +116,17 @@ def test_stdin_cwd_env_and_limits_reach_the_command(pool):
     code = ("import os, resource, sys\nprint(sys.stdin.read(), os.getcwd(), os.environ['K'], "
             "resource.getrlimit(resource.RLIMIT_NPROC)[0], "
             "resource.getrlimit(resource.RLIMIT_AS)[0] >> 20)")
+    # With a pids cgroup that is the sandbox's process bound (nproc + 1) and RLIMIT_NPROC the
+    # host-wide cap; without one, RLIMIT_NPROC is the bound (nproc + 8).
+    pids = sb.slot.cgroups.get("pids")
+    rlimit = sb.slot.features.nproc_cap if pids else 17
     for fast in (True, False):
       r = sb.exec(["python3", "-c", code], stdin="in", cwd="/workspace/sub", env={"K": "v"},
                   nproc=9, memory_mb=300, fast_path=fast)
-      assert r.stdout == "in /workspace/sub v 17 300\n", r
+      assert r.stdout == f"in /workspace/sub v {rlimit} 300\n", r
+      if pids:
+        with open(os.path.join(pids, "pids.max")) as f:
+          assert f.read().strip() == "10"
     r = sb.exec(["sh", "-c", "cat; pwd; echo $K"], stdin="in\n", cwd="/workspace/sub",
                 env={"K": "v"})
     assert r.stdout == "in\n/workspace/sub\nv\n", r
