@@ -312,7 +312,8 @@ class Engine:
               "batch_occupancy": active / self.config.max_slots,
               "tokens_per_second": recent / 10.0,
               "policy_version": self.version,
-              "last_swap_pause_seconds": self.last_swap.get("pause_s", 0.0)}
+              "last_swap_pause_seconds": self.last_swap.get("pause_s", 0.0),
+              "swap_pending": int(self._pending_swap is not None)}
 
   # ------------------------------------------------------------------ serving loop
   def _loop(self) -> None:

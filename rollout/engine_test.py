@@ -194,12 +194,28 @@ def test_swap_mid_request_records_versions_and_keeps_kv(model):
     base = eng.current_flat()
     ref = eng.generate(PROMPTS[0], max_tokens=30, temperature=0.0)[0]
     for new_flat, same in ((base, True), (_perturbed(base, 1), False)):
-      seen = threading.Event()
-      h = eng.submit(PROMPTS[0], SamplingParams(max_tokens=30, temperature=0.0),
-                     on_tokens=lambda h, i, t, l, r: len(h.samples[0].tokens) >= 6 and seen.set())
-      assert seen.wait(60)
+      seen, go = threading.Event(), threading.Event()
+
+      def hold(h, i, t, l, r):
+        # The engine thread stops here (>= 6 tokens in) until the swap is pending, so the
+        # request is still in flight when the swap lands however loaded the machine is.
+        if len(h.samples[0].tokens) >= 6 and not seen.is_set():
+          seen.set()
+          go.wait(120)
+
+      h = eng.submit(PROMPTS[0], SamplingParams(max_tokens=30, temperature=0.0), on_tokens=hold)
+      waiting.wait_event(seen, "the request's sixth token", timeout_s=120)
       v = eng.version + 1
-      out = eng.swap_weights(eng.prepare_weights(new_flat) if same else new_flat, v)
+      swapped = {}
+      weights = eng.prepare_weights(new_flat) if same else new_flat
+      t = threading.Thread(target=lambda: swapped.update(eng.swap_weights(weights, v)))
+      t.start()
+      waiting.wait_until(lambda: eng.metrics()["swap_pending"], "the swap to be pending",
+                         timeout_s=120)
+      go.set()
+      t.join(120)
+      assert not t.is_alive(), "swap_weights did not return"
+      out = swapped
       # A request was in flight, so the loop did stand still (pause > 0), for about one loop
       # iteration (ms here; 5 s leaves room for a loaded machine's scheduling delays). That
       # the swap did not wait for the request to end is shown by the versions below.

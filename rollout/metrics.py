@@ -19,6 +19,8 @@ _METRICS = (
     ("policy_version", "rollout_policy_version", "gauge", "Version of the served weights."),
     ("last_swap_pause_seconds", "rollout_last_swap_pause_seconds", "gauge",
      "Decode pause of the last weight swap."),
+    ("swap_pending", "rollout_swap_pending", "gauge",
+     "1 while a weight swap waits for the serving loop to apply it."),
     ("requests_total", "rollout_requests_total", "counter", "Requests accepted."),
     ("completions_total", "rollout_completions_total", "counter", "Completions returned."),
     ("generated_tokens_total", "rollout_generated_tokens_total", "counter", "Tokens generated."),
