@@ -15,7 +15,8 @@ Reports (as a Markdown table, and JSON with --json):
     whose next child is forked ahead of demand and runs the script in-process, the same design
     as the sandbox's pre-forked command process, minus namespaces, cgroups, rlimits and the
     audit hook), and against the same warm pool with isolation switched off
-    (`force_degraded=True`: the same zygote and protocol, rlimits only); also with the pool's
+    (`force_degraded=True`: the same zygote and protocol, no namespaces; rlimits, and the
+    per-sandbox cgroups where the host has them); also with the pool's
     refill starting at once (refill_delay_s=0), so it competes with the command for the CPU;
   * a second command in a started sandbox, `python3 main.py` (in-process fast path) and `true`
     (exec), against the same commands sent again to the fork server;
@@ -447,7 +448,7 @@ def to_markdown(res: dict) -> str:
        lat["plain_p50"]),
       ("warm start p99, same pair", lat["sandbox_p99"], lat["plain_p99"]),
       ("warm start p50: the same warm pool with isolation off (`force_degraded`: same zygote, "
-       f"rlimits only) vs {prefork}", lat["degraded_p50"], lat["plain_p50"]),
+       f"no namespaces) vs {prefork}", lat["degraded_p50"], lat["plain_p50"]),
       ("warm start p50: sandbox, pool refill started at once (`refill_delay_s=0`; "
        f"{n['refill_now']} starts) vs {prefork} (from the warm rows)", lat["refill_now_p50"],
        lat["plain_p50"]),
