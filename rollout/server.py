@@ -3,9 +3,8 @@
 What:
   * public app: `POST /v1/completions` (plain or `stream: true` server-sent events),
     `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text);
-  * admin app, on its own port and optionally token-protected (`Authorization: Bearer TOKEN`):
-    `POST /admin/swap` {"checkpoint": DIR, "version": N}, `POST /admin/swap_delta?version=N`
-    (body: a `sync.delta` blob), `GET /admin/status`.
+  * admin app (`rollout.admin`), on its own port: weight swaps and swap status. Streaming is
+    `rollout.streaming`; the error bodies both apps share are `rollout.http_common`.
 
 Load handling: the engine's queue is bounded -- a full queue answers 429 with Retry-After; each
 request may carry a `timeout` (default --request_timeout) after which it is ended and answered
@@ -27,8 +26,11 @@ from typing import Callable, Optional
 
 from aiohttp import web
 
+from rollout import admin as admin_lib
+from rollout import http_common
 from rollout import metrics as metrics_lib
 from rollout import protocol
+from rollout import streaming
 from rollout.engine import Engine, EngineStopped, QueueFull
 
 log = logging.getLogger(__name__)
@@ -36,25 +38,7 @@ log = logging.getLogger(__name__)
 RETRY_AFTER_S = 1
 
 
-def _json_error(status: int, message: str, kind: str = "invalid_request_error",
-                headers: Optional[dict] = None) -> web.Response:
-  return web.json_response(protocol.error_json(message, kind), status=status, headers=headers)
-
-
-@web.middleware
-async def _errors(request, handler):
-  """Turns stray exceptions into JSON errors so one bad request never stops the server."""
-  try:
-    return await handler(request)
-  except web.HTTPException as e:
-    if e.content_type == "application/json" or e.status < 400:
-      raise
-    return _json_error(e.status, e.reason or str(e), "http_error")
-  except asyncio.CancelledError:
-    raise
-  except Exception as e:  # noqa: BLE001 -- the last line of defence
-    log.exception("unhandled error")
-    return _json_error(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+_json_error = http_common.json_error
 
 
 class Server:
@@ -73,17 +57,15 @@ class Server:
     self.engine = engine
     self.tokenizer = engine.tokenizer
     self.model_name = model_name
-    self.admin_token = admin_token
     self.request_timeout = request_timeout
-    self.load_flat = load_flat
+    self.admin = admin_lib.Admin(engine, token=admin_token, load_flat=load_flat)
     self._runners: list = []
-    self._swap_lock = asyncio.Lock()
     self.http_stats = {"http_400_total": 0, "http_429_total": 0, "http_504_total": 0,
                        "client_disconnects_total": 0}
 
   # ------------------------------------------------------------------ apps
   def app(self) -> web.Application:
-    app = web.Application(middlewares=[_errors], client_max_size=8 * 1024 * 1024)
+    app = web.Application(middlewares=[http_common.errors], client_max_size=8 * 1024 * 1024)
     app.router.add_post("/v1/completions", self.completions)
     app.router.add_get("/v1/models", self.models)
     app.router.add_get("/health", self.health)
@@ -91,11 +73,7 @@ class Server:
     return app
 
   def admin_app(self) -> web.Application:
-    app = web.Application(middlewares=[_errors, self._auth], client_max_size=16 * 1024**3)
-    app.router.add_post("/admin/swap", self.admin_swap)
-    app.router.add_post("/admin/swap_delta", self.admin_swap_delta)
-    app.router.add_get("/admin/status", self.admin_status)
-    return app
+    return self.admin.app()
 
   async def start(self, host: str = "127.0.0.1", port: int = 0,
                   admin_port: Optional[int] = 0) -> tuple:
@@ -180,7 +158,8 @@ class Server:
     created = int(time.time())
     try:
       if req["stream"]:
-        return await self._stream(request, req, handles, events, rid, created)
+        return await streaming.stream(request, self.tokenizer, req, handles, events, rid,
+                                      created, req["model"] or self.model_name)
       results = await asyncio.gather(*(asyncio.wrap_future(h.future) for h in handles))
     except (asyncio.CancelledError, ConnectionResetError):
       self.http_stats["client_disconnects_total"] += 1
@@ -202,116 +181,6 @@ class Server:
         "model": req["model"] or self.model_name, "choices": choices,
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                   "total_tokens": prompt_tokens + completion_tokens}})
-
-  async def _stream(self, request, req, handles, events, rid, created) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                       "Cache-Control": "no-cache"})
-    await resp.prepare(request)
-    n = req["params"].n
-    order = {h.id: pi for pi, h in enumerate(handles)}
-    tokens = {}  # choice index -> tokens so far
-    sent_text = {}
-    hold = bool(req["params"].stop)  # stop strings: text is final only once a choice ends
-    model = req["model"] or self.model_name
-    ended = 0
-    total = len(handles) * n
-
-    async def send(choice: dict) -> None:
-      payload = {"id": rid, "object": "text_completion", "created": created, "model": model,
-                 "choices": [choice]}
-      await resp.write(f"data: {json.dumps(payload)}\n\n".encode())
-
-    while ended < total:
-      hid, i, toks, lps, reason = await events.get()
-      idx = order[hid] * n + i
-      all_toks = tokens.setdefault(idx, [])
-      all_toks.extend(toks)
-      text = ""
-      if self.tokenizer is not None and not hold:
-        full = self.tokenizer.decode(all_toks)
-        prev = sent_text.get(idx, "")
-        text = full[len(prev):] if full.startswith(prev) else ""
-        sent_text[idx] = prev + text
-      if toks:
-        await send({"index": idx, "text": text, "token_ids": toks,
-                    "logprobs": protocol.logprobs_json(self.tokenizer, toks, lps),
-                    "finish_reason": None})
-      if reason is not None:
-        ended += 1
-    results = await asyncio.gather(*(asyncio.wrap_future(h.future) for h in handles))
-    for pi, r in enumerate(results):
-      for c in r:
-        idx = pi * n + c.index
-        prev = sent_text.get(idx, "")
-        rest = c.text[len(prev):] if c.text.startswith(prev) else ""
-        final = {"index": idx, "text": rest, "token_ids": [], "logprobs": None,
-                 "finish_reason": c.finish_reason,
-                 "policy_version": c.policy_versions[-1] if c.policy_versions else None,
-                 "policy_versions": c.policy_versions}
-        if req["return_routing"]:
-          final["routing"] = c.routing.tolist() if c.routing is not None else None
-        await send(final)
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
-    return resp
-
-  # ------------------------------------------------------------------ admin
-  @web.middleware
-  async def _auth(self, request, handler):
-    if self.admin_token is not None:
-      if request.headers.get("Authorization") != f"Bearer {self.admin_token}":
-        return _json_error(401, "missing or wrong admin token", "authentication_error")
-    return await handler(request)
-
-  def _version(self, value) -> int:
-    if isinstance(value, str) and value.lstrip("-").isdigit():
-      value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-      raise protocol.BadRequest(f"'version' must be an integer, got {value!r}")
-    return value
-
-  async def admin_status(self, request) -> web.Response:
-    return web.json_response({"policy_version": self.engine.version,
-                              "last_swap": self.engine.last_swap})
-
-  async def admin_swap(self, request) -> web.Response:
-    try:
-      body = json.loads(await request.read())
-      if not isinstance(body, dict) or set(body) - {"checkpoint", "version"}:
-        raise protocol.BadRequest("body must be {\"checkpoint\": DIR, \"version\": N}")
-      if not isinstance(body.get("checkpoint"), str):
-        raise protocol.BadRequest("'checkpoint' must be a directory path")
-      version = self._version(body.get("version"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-      return _json_error(400, f"malformed JSON body: {e}")
-    except protocol.BadRequest as e:
-      return _json_error(400, str(e))
-    if self.load_flat is None:
-      return _json_error(501, "this server was started without a checkpoint loader")
-    loop = asyncio.get_running_loop()
-    async with self._swap_lock:
-      try:
-        flat = await loop.run_in_executor(None, self.load_flat, body["checkpoint"])
-        out = await loop.run_in_executor(None, self.engine.swap_weights, flat, version)
-      except ValueError as e:  # missing/corrupt checkpoint, or weights of another model
-        return _json_error(400, f"cannot swap to {body['checkpoint']!r}: {e}")
-    return web.json_response(out)
-
-  async def admin_swap_delta(self, request) -> web.Response:
-    try:
-      version = self._version(request.query.get("version"))
-    except protocol.BadRequest as e:
-      return _json_error(400, str(e))
-    blob = await request.read()
-    if not blob:
-      return _json_error(400, "empty delta body")
-    loop = asyncio.get_running_loop()
-    async with self._swap_lock:
-      try:
-        out = await loop.run_in_executor(None, self.engine.swap_delta, blob, version)
-      except ValueError as e:  # sync.delta.DeltaError is a ValueError
-        return _json_error(400, f"cannot apply delta: {type(e).__name__}: {e}")
-    return web.json_response(out)
 
 
 def serve(engine: Engine, *, host: str = "127.0.0.1", port: int = 8000,
