@@ -22,7 +22,7 @@ import json
 import logging
 import time
 import uuid
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from aiohttp import web
 
@@ -46,18 +46,23 @@ class Server:
 
   def __init__(self, engine: Engine, *, model_name: str = "moe", admin_token: Optional[str] = None,
                request_timeout: Optional[float] = 600.0,
-               load_flat: Optional[Callable[[str], dict]] = None):
+               load_flat: Optional[Callable[[str], dict]] = None,
+               health_checks: Sequence[Callable[[], Optional[str]]] = ()):
     """Args:
       engine: a started Engine (its tokenizer encodes text prompts and decodes completions).
       model_name: reported by /v1/models and in responses.
       admin_token: if set, admin requests must send `Authorization: Bearer <admin_token>`.
       request_timeout: default per-request timeout in seconds (None: none).
       load_flat: path -> flat weights, for `/admin/swap` (e.g. rollout.loading.load_flat).
+      health_checks: callables polled by `/health`; each returns None when its part is fine or a
+        sentence saying what is wrong (e.g. a weight-sync thread that died, weights stale beyond
+        a bound), which makes `/health` answer 503 with those sentences under "problems".
     """
     self.engine = engine
     self.tokenizer = engine.tokenizer
     self.model_name = model_name
     self.request_timeout = request_timeout
+    self.health_checks = tuple(health_checks)
     self.admin = admin_lib.Admin(engine, token=admin_token, load_flat=load_flat)
     self._runners: list = []
     self.http_stats = {"http_400_total": 0, "http_429_total": 0, "http_504_total": 0,
@@ -98,9 +103,20 @@ class Server:
 
   # ------------------------------------------------------------------ public endpoints
   async def health(self, request) -> web.Response:
-    ok = self.engine._thread is not None and self.engine._thread.is_alive()
-    return web.json_response({"status": "ok" if ok else "stopped",
-                              "policy_version": self.engine.version}, status=200 if ok else 503)
+    problems = [] if self.engine.running else ["the engine loop is not running"]
+    for check in self.health_checks:
+      try:
+        p = check()
+      except Exception as e:  # noqa: BLE001 -- a failing check is itself a problem to report
+        log.exception("health check failed")
+        p = f"health check {getattr(check, '__name__', check)!s} failed: {type(e).__name__}"
+      if p:
+        problems.append(p)
+    body = {"status": "ok" if not problems else "unhealthy",
+            "policy_version": self.engine.version}
+    if problems:
+      body["problems"] = problems
+    return web.json_response(body, status=200 if not problems else 503)
 
   async def models(self, request) -> web.Response:
     return web.json_response({"object": "list", "data": [

@@ -238,6 +238,37 @@ def test_health_and_metrics(live):
     assert f"\n{name} " in "\n" + text
 
 
+def test_health_reports_failing_checks(live):
+  state = {"problem": None}
+
+  def weights_fresh():
+    return state["problem"]
+
+  def broken():
+    raise RuntimeError("boom")
+
+  other = _Live(live.server.engine, health_checks=[weights_fresh])
+  try:
+    url = f"http://127.0.0.1:{other.port}/health"
+    with urllib.request.urlopen(url) as r:
+      assert json.loads(r.read())["status"] == "ok"
+    state["problem"] = "weights are 3 versions behind the published 7"
+    with pytest.raises(urllib.error.HTTPError) as e:
+      urllib.request.urlopen(url)
+    assert e.value.code == 503
+    assert json.loads(e.value.read())["problems"] == [state["problem"]]
+  finally:
+    other.close()
+  other = _Live(live.server.engine, health_checks=[broken])
+  try:
+    with pytest.raises(urllib.error.HTTPError) as e:
+      urllib.request.urlopen(f"http://127.0.0.1:{other.port}/health")
+    assert e.value.code == 503
+    assert "broken failed: RuntimeError" in json.loads(e.value.read())["problems"][0]
+  finally:
+    other.close()
+
+
 def test_admin_swaps_by_delta_and_by_checkpoint(live, ckpt):
   from sync import delta
   eng = live.server.engine
