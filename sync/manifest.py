@@ -6,9 +6,12 @@ and/or the files of its full snapshot, each with size and xxh3 hash. `Index` is 
 document the publisher rewrites last on every publish: the newest version and, per retained
 version, how many bytes its delta and snapshot take (what a subscriber needs to plan).
 
-Why: manifests are immutable and written after the objects they name, so a reader that sees a
-manifest sees complete data; the index is the single mutable object, so "publish" is atomic
-(the index names a version only after its manifest exists).
+Why: manifests are written after the objects they name, so a reader that sees a manifest sees
+complete data; the index is rewritten last, so "publish" is atomic (the index names a version
+only after its manifest exists). A manifest changes only in one way: on a subscriber's request
+(`snapshot_request_key`) the publisher may add a full snapshot to an already published version,
+writing the snapshot's files first, then the manifest, then the index; nothing it already named
+changes, so a reader holding the old manifest is still right.
 """
 
 import dataclasses
@@ -31,6 +34,17 @@ def delta_key(version: int) -> str:
 
 def snapshot_dir(version: int) -> str:
   return version_dir(version) + "snapshot/"
+
+
+SNAPSHOT_REQUESTS = "requests/snapshot/"
+
+
+def snapshot_request_key(requester: str) -> str:
+  """Where `requester` (a sampler's name) asks the publisher for a snapshot: it cannot reach the
+  newest version because a link of the delta chain is damaged (see `publisher.request_snapshot`)."""
+  if not requester or "/" in requester or requester.startswith("."):
+    raise ValueError(f"bad requester name {requester!r}")
+  return SNAPSHOT_REQUESTS + requester + ".json"
 
 
 class ManifestError(ValueError):
@@ -119,6 +133,9 @@ class Index:
   def from_bytes(cls, data: bytes) -> "Index":
     try:
       d = json.loads(data)
-      return cls(d["latest"], {int(v): (dl, sn) for v, dl, sn in d["versions"]})
+      index = cls(d["latest"], {int(v): (dl, sn) for v, dl, sn in d["versions"]})
     except (ValueError, KeyError, TypeError) as e:
       raise ManifestError(f"bad index: {e}") from e
+    if index.latest is not None and index.latest not in index.versions:
+      raise ManifestError(f"bad index: latest version {index.latest!r} is not listed")
+    return index

@@ -11,11 +11,28 @@ sampler that fell far behind must replay, and let GC drop old deltas. Writing th
 makes publishing atomic for readers: they only ever see versions whose bytes are complete.
 The publisher keeps one copy of the last published weights (the delta needs its parent) and
 updates it in place, so the learner host holds at most: live weights + that copy.
+
+Damaged links: a delta damaged in the store (a bad disk, a partial copy, a hand) cannot be
+applied, and every later delta chains through it, so a sampler that holds an older version can
+only move on through a snapshot newer than the damage. Waiting for the next periodic snapshot
+can deadlock a run whose learner waits for data from those very samplers, so a subscriber asks
+for one (`request_snapshot`, an object under `manifest.SNAPSHOT_REQUESTS`) and the publisher
+answers: `publish` makes the version it writes a snapshot while a request is pending, and
+`answer_requests` (called by a background thread with `answer_requests_s`, for a learner that is
+not publishing) adds a snapshot to the newest version from the copy it holds.
+
+The store writes each object atomically (see `store`), so the index is never seen torn there;
+`read_index` still retries a parse failure with back-off, for readers behind other writers or
+copies (relays, rsync'd mirrors).
 """
 
 import dataclasses
 import io
+import json
+import logging
+import threading
 import time
+import weakref
 
 import numpy as np
 
@@ -37,11 +54,37 @@ class PublishReport:
   total_s: float
 
 
-def read_index(source) -> manifest_lib.Index:
-  try:
-    return manifest_lib.Index.from_bytes(source.get(manifest_lib.INDEX_KEY))
-  except KeyError:
-    return manifest_lib.Index()
+log = logging.getLogger(__name__)
+
+
+def read_index(source, *, attempts: int = 5, backoff_s: float = 0.02) -> manifest_lib.Index:
+  """The store's index (empty if nothing was published yet).
+
+  A parse failure (an index torn by a non-atomic writer or copy) is read again up to `attempts`
+  times, waiting `backoff_s`, then twice that, ...; a tear that outlasts them raises.
+
+  Raises:
+    manifest.ManifestError: the index stayed malformed for every attempt.
+  """
+  for attempt in range(attempts):
+    try:
+      data = source.get(manifest_lib.INDEX_KEY)
+    except KeyError:
+      return manifest_lib.Index()
+    try:
+      return manifest_lib.Index.from_bytes(data)
+    except manifest_lib.ManifestError:
+      if attempt + 1 >= attempts:
+        raise
+      time.sleep(backoff_s * 2 ** attempt)
+  raise AssertionError("unreachable")
+
+
+def request_snapshot(store, requester: str, past: int, reason: str) -> None:
+  """Asks the publisher of `store` for a snapshot at a version >= `past` (see module docstring);
+  one request per requester, replaced by its next one."""
+  store.put(manifest_lib.snapshot_request_key(requester), json.dumps(
+      {"past": int(past), "reason": reason, "time": time.time()}).encode())
 
 
 def read_manifest(source, version: int) -> manifest_lib.Manifest:
@@ -84,9 +127,22 @@ class Publisher:
   """Publishes versions of flat weights to a Store (see module docstring)."""
 
   def __init__(self, store, *, snapshot_every: int = 20, keep_snapshots: int = 2,
-               chunk_elems: int = weights.CHUNK_ELEMS, level: int = 1, workers=None):
+               chunk_elems: int = weights.CHUNK_ELEMS, level: int = 1, workers=None,
+               answer_requests_s: float | None = None):
+    """Args:
+      store: a `store.Store`.
+      snapshot_every: every this many versions (and the first) is also a full snapshot.
+      keep_snapshots: GC keeps this many newest snapshots and the versions after the oldest.
+      chunk_elems, level, workers: delta encoding settings.
+      answer_requests_s: if set, a background thread answers subscribers' snapshot requests
+        this often (see module docstring); it ends with `close()` or when the publisher is
+        garbage-collected.
+    """
     if snapshot_every < 1 or keep_snapshots < 1:
       raise ValueError("snapshot_every and keep_snapshots must be >= 1")
+    self._lock = threading.RLock()  # publish, answer_requests and gc write the same index
+    self.requested_snapshots = 0  # snapshots written because a subscriber asked
+    self._closed = threading.Event()
     self.store = store
     self.snapshot_every = snapshot_every
     self.keep_snapshots = keep_snapshots
@@ -98,13 +154,75 @@ class Publisher:
     if self.index.latest is not None:  # resume after a restart
       self._prev, _ = restore(store, self.index.latest, workers)
       self._prev_digest = read_manifest(store, self.index.latest).digest
+    if answer_requests_s is not None:
+      threading.Thread(target=_answer_loop, args=(weakref.ref(self), self._closed,
+                                                  answer_requests_s),
+                       daemon=True, name="publisher-requests").start()
 
   @property
   def version(self) -> int | None:
     return self.index.latest
 
+  def close(self) -> None:
+    """Stops the request-answering thread (if any)."""
+    self._closed.set()
+
+  def _requests(self) -> dict:
+    """Pending snapshot requests: store key -> the version the snapshot must be at or past."""
+    out = {}
+    for key in self.store.list(manifest_lib.SNAPSHOT_REQUESTS):
+      try:
+        out[key] = int(json.loads(self.store.get(key))["past"])
+      except KeyError:  # withdrawn or answered since the listing
+        continue
+      except (ValueError, TypeError) as e:
+        log.warning("dropping malformed snapshot request %s: %s", key, e)
+        self.store.delete(key)
+    return out
+
+  def answer_requests(self) -> int | None:
+    """Answers pending snapshot requests; returns the version it snapshotted, or None.
+
+    A request is answered by a retained snapshot at or past its version if one exists, else by
+    a snapshot of the newest version (from the copy of it the publisher holds); a request past
+    the newest version waits for the next publish (which then is a snapshot).
+    """
+    with self._lock:
+      pending = self._requests()
+      latest = self.index.latest
+      if not pending or latest is None:
+        return None
+      made = None
+      newest = self._newest_snapshot()
+      unmet = [past for past in pending.values()
+               if past <= latest and (newest is None or newest < past)]
+      if unmet:
+        m = read_manifest(self.store, latest)
+        if m.snapshot is None:
+          m.snapshot = snapshot.save(self.store, latest, self._prev)
+          self.store.put(manifest_lib.manifest_key(latest), m.to_bytes())
+          self.index.add(m)
+          self.store.put(manifest_lib.INDEX_KEY, self.index.to_bytes())
+          self.requested_snapshots += 1
+          made = latest
+          log.warning("weight sync: wrote a snapshot of version %d on request (%s)", latest,
+                      ", ".join(sorted(pending)))
+      for key, past in pending.items():
+        if past <= latest:
+          self.store.delete(key)
+      if made is not None:
+        self.gc()
+      return made
+
+  def _newest_snapshot(self) -> int | None:
+    return max((v for v, (_, s) in self.index.versions.items() if s is not None), default=None)
+
   def publish(self, flat: dict, info: dict | None = None) -> PublishReport:
     """Publishes `flat` (name -> array, the sampler's dtype) as the next version."""
+    with self._lock:
+      return self._publish(flat, info)
+
+  def _publish(self, flat, info) -> PublishReport:
     t0 = time.perf_counter()
     version = 0 if self.index.latest is None else self.index.latest + 1
     tensors = {n: [weights.dtype_name(np.asarray(a).dtype), list(np.asarray(a).shape)]
@@ -126,11 +244,18 @@ class Publisher:
       m.info.update(ratio=stats.ratio, changed=stats.changed, encode_s=stats.seconds)
     else:
       m.digest = weights.digest(flat, self.chunk_elems)
-    if self._prev is None or version % self.snapshot_every == 0:
+    answered = [k for k, past in self._requests().items() if past <= version]
+    if self._prev is None or version % self.snapshot_every == 0 or answered:
       m.snapshot = snapshot.save(self.store, version, flat)
+      if answered and self._prev is not None and version % self.snapshot_every:
+        self.requested_snapshots += 1
+        log.warning("weight sync: version %d is a snapshot on request (%s)", version,
+                    ", ".join(sorted(answered)))
     self.store.put(manifest_lib.manifest_key(version), m.to_bytes())
     self.index.add(m)
     self.store.put(manifest_lib.INDEX_KEY, self.index.to_bytes())  # the publish point
+    for key in answered:  # this version is a snapshot at or past each of them
+      self.store.delete(key)
     self._keep(flat)
     self._prev_digest = m.digest
     self.gc()
@@ -153,6 +278,10 @@ class Publisher:
 
   def gc(self) -> list:
     """Drops versions older than the `keep_snapshots`-th newest snapshot; returns them."""
+    with self._lock:
+      return self._gc()
+
+  def _gc(self) -> list:
     snaps = sorted(v for v, (_, s) in self.index.versions.items() if s is not None)
     if len(snaps) <= self.keep_snapshots:
       return []
@@ -165,3 +294,17 @@ class Publisher:
       self.store.delete(manifest_lib.manifest_key(v))
       self.store.delete_prefix(manifest_lib.version_dir(v))
     return dropped
+
+
+def _answer_loop(ref, closed: threading.Event, interval_s: float) -> None:
+  """Answers snapshot requests every `interval_s` until closed or the publisher is collected;
+  a failure is logged and retried (it must not end the thread: the run would deadlock)."""
+  while not closed.wait(interval_s):
+    pub = ref()
+    if pub is None:
+      return
+    try:
+      pub.answer_requests()
+    except Exception:  # pylint: disable=broad-except
+      log.exception("weight sync: answering snapshot requests failed; retrying")
+    del pub

@@ -76,5 +76,29 @@ def test_manifest_roundtrip_and_validation():
     manifest_lib.Manifest.from_bytes(bad.to_bytes())
 
 
+def test_snapshot_requests_are_answered_and_bad_ones_dropped(tmp_path):
+  st, pub, hist, _ = _publish(tmp_path, 3, snapshot_every=10)
+  assert pub.answer_requests() is None  # none pending
+  st.put(manifest_lib.snapshot_request_key("garbled"), b"{not json")
+  publisher.request_snapshot(st, "s0", 2, "delta 2 damaged")
+  publisher.request_snapshot(st, "s1", 9, "past the newest: waits for a publish")
+  assert publisher.read_manifest(st, 2).snapshot is None
+  assert pub.answer_requests() == 2
+  m = publisher.read_manifest(st, 2)
+  assert m.snapshot and m.delta is not None  # the delta is kept, a snapshot added
+  assert publisher.read_index(st).versions[2][1] == m.snapshot_bytes
+  assert st.list(manifest_lib.SNAPSHOT_REQUESTS) == [manifest_lib.snapshot_request_key("s1")]
+  st.delete(manifest_lib.delta_key(1))  # restore now needs the added snapshot
+  flat, v = publisher.restore(st, 2)
+  assert v == 2 and testing.same_bits(flat, hist[2])
+  with pytest.raises(ValueError):
+    manifest_lib.snapshot_request_key("../x")
+
+
+def test_index_naming_an_unlisted_latest_is_malformed():
+  with pytest.raises(manifest_lib.ManifestError):
+    manifest_lib.Index.from_bytes(b'{"latest": 4, "versions": [[3, 10, null]]}')
+
+
 if __name__ == "__main__":
   sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))

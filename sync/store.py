@@ -6,8 +6,11 @@ under a root such as `file:///data/sync/`, `gs://bucket/run1/` or `s3://bucket/r
 path for tools that take paths (orbax writes full snapshots there).
 
 Why TensorStore: it is what orbax already writes through, it speaks file/GCS/S3 with the same
-calls, and its file driver writes each value atomically (temp file + rename), which the
-publisher relies on for "manifest last" publishing.
+calls, and its file driver writes each value atomically and durably (checked with strace:
+write `<key>.__lock`, fsync it, rename it over `<key>`, fsync the directory), so a reader never
+sees a torn `INDEX.json` or manifest through a `Store`; the publisher relies on that for
+"manifest last" publishing (readers behind other copies still retry a torn index, see
+`publisher.read_index`).
 """
 
 import tensorstore as ts

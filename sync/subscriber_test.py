@@ -1,6 +1,9 @@
 """Tests for the sampler side: catch-up, reports, and every rejected-delta fault."""
 
+import logging
+import os
 import sys
+import threading
 import time
 
 import pytest
@@ -49,6 +52,9 @@ class _Clock:
 
   def perf_counter(self):
     return time.perf_counter() + self.offset
+
+  def monotonic(self):
+    return time.monotonic() + self.offset
 
 
 def test_follows_each_version_and_reports(tmp_path, monkeypatch):
@@ -204,6 +210,202 @@ def test_inplace_writes_the_held_arrays_and_catches_up(tmp_path):
   r = sub.poll()  # a chain of deltas, or snapshot 4 plus a delta
   assert r.version == 5 and testing.same_bits(sub.weights, hist[5])
   assert testing.same_bits(sampler.applied[-1][1], hist[5])
+
+
+def _damage(st, version):
+  """Flips one byte of `version`'s delta on disk (the manifest's hash no longer matches)."""
+  key = manifest_lib.delta_key(version)
+  good = st.get(key)
+  st.put(key, good[:100] + bytes([good[100] ^ 4]) + good[101:])
+
+
+def test_damaged_delta_falls_back_to_the_newest_snapshot_and_says_so(tmp_path, caplog):
+  st, pub, hist, sampler, sub = _setup(tmp_path, n=2, snapshot_every=3, keep_snapshots=5)
+  sub.poll()
+  for w in hist[2:6]:  # 2, 3 (a snapshot), 4, 5
+    pub.publish(w)
+  _damage(st, 2)
+  with caplog.at_level(logging.WARNING, logger="sync.subscriber"):
+    r = sub.poll()
+  assert r.version == 5 and r.steps == [("snapshot", 3), ("delta", 4), ("delta", 5)]
+  assert r.fallback and r.skipped == ["delta 2"] and sub.fallbacks == 1
+  assert sub.stats()["damaged"] == ["delta 2"] and sub.stats()["fallbacks"] == 1
+  assert testing.same_bits(sampler.applied[-1][1], hist[5])
+  assert any("delta 2 is damaged" in m for m in caplog.messages)
+  assert any("fell back to snapshot 3" in m for m in caplog.messages)
+  pub.publish(hist[6])  # later versions follow the (intact) chain after the snapshot
+  r = sub.poll()
+  assert r.steps == [("delta", 6)] and not r.fallback and sub.fallbacks == 1
+
+
+@pytest.mark.parametrize("answer", ["answer_requests", "publish"])
+def test_damaged_delta_without_a_snapshot_past_it_asks_the_publisher(tmp_path, caplog, answer):
+  """No snapshot after the damaged link: the subscriber holds its version, says so and asks; the
+  publisher answers with a snapshot of the newest version (when idle, as a learner waiting for
+  data is) or makes its next version one; the subscriber then reaches it."""
+  st, pub, hist, sampler, sub = _setup(tmp_path, n=2)
+  sub.poll()
+  for w in hist[2:5]:
+    pub.publish(w)
+  _damage(st, 2)
+  with caplog.at_level(logging.WARNING, logger="sync.subscriber"):
+    with pytest.raises(subscriber.SyncError):
+      sub.poll()
+  assert sub.version == 1 and sub.waiting_for_snapshot == 2
+  assert any("no snapshot at or past version 2" in m for m in caplog.messages)
+  assert st.list(manifest_lib.SNAPSHOT_REQUESTS) == [manifest_lib.snapshot_request_key(sub.name)]
+  if answer == "answer_requests":
+    assert pub.answer_requests() == 4
+    want, steps = 4, [("snapshot", 4)]
+  else:
+    assert pub.publish(hist[5]).snapshot
+    want, steps = 5, [("snapshot", 5)]
+  assert pub.requested_snapshots == 1
+  assert st.list(manifest_lib.SNAPSHOT_REQUESTS) == []  # answered
+  assert pub.answer_requests() is None  # nothing pending
+  r = sub.poll()
+  assert r.version == want and r.steps == steps and r.fallback and r.skipped == ["delta 2"]
+  assert sub.waiting_for_snapshot is None
+  assert testing.same_bits(sampler.applied[-1][1], hist[want])
+  flat, v = publisher.restore(st, want)  # the added snapshot restores like any other
+  assert v == want and testing.same_bits(flat, hist[want])
+
+
+def _wait(cond, what, timeout=60.0):
+  """Waits (polling) until cond() holds; fails naming `what` after `timeout` s."""
+  t0 = time.monotonic()
+  while not cond():
+    assert time.monotonic() - t0 < timeout, f"timed out waiting for {what}"
+    time.sleep(0.01)
+
+
+class _Notifying(Sampler):
+  """A Sampler that wakes waiters on every swap."""
+
+  def __init__(self):
+    super().__init__()
+    self.changed = threading.Condition()
+
+  def __call__(self, flat, version):
+    super().__call__(flat, version)
+    with self.changed:
+      self.changed.notify_all()
+
+  def wait_for(self, version, timeout=60.0):
+    with self.changed:
+      ok = self.changed.wait_for(lambda: self.applied and self.applied[-1][0] == version,
+                                 timeout)
+    assert ok, f"the sampler never reached version {version}: {[v for v, _ in self.applied]}"
+
+
+def test_sync_thread_with_an_idle_publisher_gets_past_a_damaged_delta(tmp_path):
+  """The deadlock of issue #17: the learner publishes nothing more until the samplers move."""
+  st, pub, hist, _, _ = _setup(tmp_path, n=2)
+  pub2 = publisher.Publisher(st, chunk_elems=testing.CHUNK, snapshot_every=100,
+                             answer_requests_s=0.01)
+  sampler = _Notifying()
+  sub = subscriber.Subscriber(st, sampler)
+  stop = threading.Event()
+  t = threading.Thread(target=sub.run, args=(stop, 0.01), daemon=True)
+  t.start()
+  try:
+    sampler.wait_for(1)
+    for w in hist[2:4]:
+      pub2.publish(w)
+    _damage(st, 2)  # (damaged before the subscriber's next poll could read it: it is slower)
+    pub2.publish(hist[4])
+    sampler.wait_for(4)
+  finally:
+    stop.set()
+    pub2.close()
+    t.join(timeout=30)
+  assert testing.same_bits(sampler.applied[-1][1], hist[4])
+  assert sub.reports[-1].version == 4 and sub.thread_state == "stopped"
+
+
+def test_torn_index_does_not_kill_the_sync_thread(tmp_path):
+  """INDEX.json half-written (by a non-atomic copy): polls fail, are counted and retried; once
+  it is whole again the thread moves on to the new version."""
+  st, pub, hist, _, _ = _setup(tmp_path, n=2)
+  sampler = _Notifying()
+  sub = subscriber.Subscriber(st, sampler)
+  failed = threading.Event()
+  stop = threading.Event()
+  t = threading.Thread(target=sub.run, args=(stop, 0.01),
+                       kwargs={"on_error": lambda e: failed.set(), "max_backoff_s": 0.05},
+                       daemon=True)
+  t.start()
+  try:
+    sampler.wait_for(1)
+    path = os.path.join(str(tmp_path), manifest_lib.INDEX_KEY)
+    whole = open(path, "rb").read()
+    with open(path, "wb") as f:
+      f.write(whole[:len(whole) // 2])
+    assert failed.wait(60), "a torn index never failed a poll"
+    assert t.is_alive() and sub.thread_state == "running" and sub.errors >= 1
+    assert "bad index" in sub.last_error
+    pub.publish(hist[2])  # rewrites the index whole
+    sampler.wait_for(2)
+  finally:
+    stop.set()
+    t.join(timeout=30)
+  assert testing.same_bits(sampler.applied[-1][1], hist[2])
+  assert sub.last_error is None and sub.thread_state == "stopped"
+
+
+def test_read_index_retries_a_torn_read():
+  st = store_lib.Store("memory://")
+  good = manifest_lib.Index(3, {3: (10, None)}).to_bytes()
+
+  class Tearing:
+    """Serves the index torn `tears` times, then whole."""
+
+    def __init__(self, tears):
+      self.tears = tears
+
+    def get(self, key):
+      self.tears -= 1
+      return good[:7] if self.tears >= 0 else good
+  assert publisher.read_index(Tearing(2), backoff_s=0.001).latest == 3
+  with pytest.raises(manifest_lib.ManifestError):
+    publisher.read_index(Tearing(5), attempts=5, backoff_s=0.001)
+  assert publisher.read_index(st).latest is None  # nothing published yet
+
+
+def test_health_problem_reports_stale_weights_and_a_dead_thread(tmp_path, monkeypatch):
+  clock = _Clock()
+  monkeypatch.setattr(subscriber, "time", clock)
+  st, pub, hist, sampler, _ = _setup(tmp_path, n=2)
+  sub = subscriber.Subscriber(st, sampler, request_snapshot=False)
+  sub.poll()
+  for w in hist[2:5]:
+    pub.publish(w)
+  _damage(st, 2)
+  with pytest.raises(subscriber.SyncError):
+    sub.poll()
+  assert sub.health_problem(max_behind_versions=1, max_stale_s=30) is None  # within grace
+  clock.offset += 31
+  with pytest.raises(subscriber.SyncError):
+    sub.poll()  # still stuck (the index itself reads fine)
+  problem = sub.health_problem(max_behind_versions=1, max_stale_s=30)
+  assert "serving version 1, 3 behind the published 4 for 31 s" in problem
+  assert "last error" not in problem  # run() records errors; poll() alone does not
+  assert sub.health_problem(max_behind_versions=3, max_stale_s=30) is None  # within bound
+  assert st.list(manifest_lib.SNAPSHOT_REQUESTS) == []  # request_snapshot=False: only waits
+  clock.offset += 31  # and now no index read for 31 s
+  pub.publish(hist[5])
+  assert "no weight index read succeeded for 31 s" in sub.health_problem(1, max_stale_s=30)
+  publisher.request_snapshot(st, "other", 3, "test")
+  pub.answer_requests()
+  assert sub.poll().version == 5 and sub.health_problem(1, 30) is None
+
+  def dies(flat, version):
+    raise SystemExit("gone")
+  sub.apply_fn = dies
+  pub.publish(hist[6])
+  with pytest.raises(SystemExit):
+    sub.run(threading.Event(), 0.01)
+  assert "the sync thread died: SystemExit: gone" in sub.health_problem(1, 30)
 
 
 if __name__ == "__main__":
