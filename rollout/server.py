@@ -47,23 +47,33 @@ class Server:
   def __init__(self, engine: Engine, *, model_name: str = "moe", admin_token: Optional[str] = None,
                request_timeout: Optional[float] = 600.0,
                load_flat: Optional[Callable[[str], dict]] = None,
-               health_checks: Sequence[Callable[[], Optional[str]]] = ()):
+               health_checks: Sequence[Callable[[], Optional[str]]] = (),
+               admin_token_file: Optional[str] = None, checkpoint_root: Optional[str] = None,
+               max_delta_bytes: Optional[int] = None, admin_allowed_hosts: Sequence[str] = ()):
     """Args:
       engine: a started Engine (its tokenizer encodes text prompts and decodes completions).
       model_name: reported by /v1/models and in responses.
-      admin_token: if set, admin requests must send `Authorization: Bearer <admin_token>`.
+      admin_token: the token admin requests must send as `Authorization: Bearer <token>`; None
+        generates one (`self.admin.token`): the admin app never runs without a token.
       request_timeout: default per-request timeout in seconds (None: none).
       load_flat: path -> flat weights, for `/admin/swap` (e.g. rollout.loading.load_flat).
       health_checks: callables polled by `/health`; each returns None when its part is fine or a
         sentence saying what is wrong (e.g. a weight-sync thread that died, weights stale beyond
         a bound), which makes `/health` answer 503 with those sentences under "problems".
+      admin_token_file: written with the admin token (mode 0600) when the admin app starts.
+      checkpoint_root: the only directory `/admin/swap` reads checkpoints under (None: off).
+      max_delta_bytes: body limit of `/admin/swap_delta` (default: from the weights' size).
+      admin_allowed_hosts: extra names accepted in the admin requests' Host/Origin headers.
     """
     self.engine = engine
     self.tokenizer = engine.tokenizer
     self.model_name = model_name
     self.request_timeout = request_timeout
     self.health_checks = tuple(health_checks)
-    self.admin = admin_lib.Admin(engine, token=admin_token, load_flat=load_flat)
+    self.admin = admin_lib.Admin(engine, token=admin_token, token_file=admin_token_file,
+                                 load_flat=load_flat, checkpoint_root=checkpoint_root,
+                                 max_delta_bytes=max_delta_bytes,
+                                 allowed_hosts=admin_allowed_hosts)
     self._runners: list = []
     self.http_stats = {"http_400_total": 0, "http_429_total": 0, "http_504_total": 0,
                        "client_disconnects_total": 0}
@@ -81,19 +91,28 @@ class Server:
     return self.admin.app()
 
   async def start(self, host: str = "127.0.0.1", port: int = 0,
-                  admin_port: Optional[int] = 0) -> tuple:
-    """Starts listening; returns (port, admin_port) actually bound (0 picks a free port)."""
+                  admin_port: Optional[int] = 0, admin_host: str = "127.0.0.1") -> tuple:
+    """Starts listening; returns (port, admin_port) actually bound (0 picks a free port).
+
+    The admin app (unless `admin_port` is None) listens on `admin_host`, loopback unless told
+    otherwise, whatever `host` the public app is on; its token file is written before it listens.
+    """
     ports = []
-    for app, p in ((self.app(), port), (self.admin_app(), admin_port)):
+    for is_admin, h, p in ((False, host, port), (True, admin_host, admin_port)):
       if p is None:
         ports.append(None)
         continue
+      if is_admin:
+        self.admin.publish_token()
+      app = self.admin_app() if is_admin else self.app()
       runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
       await runner.setup()
-      site = web.TCPSite(runner, host, p)
+      site = web.TCPSite(runner, h, p)
       await site.start()
       self._runners.append(runner)
       ports.append(site._server.sockets[0].getsockname()[1])
+      if is_admin:
+        self.admin.bind(h, ports[-1])
     return tuple(ports)
 
   async def stop(self) -> None:
@@ -200,14 +219,20 @@ class Server:
 
 
 def serve(engine: Engine, *, host: str = "127.0.0.1", port: int = 8000,
-          admin_port: Optional[int] = None, **server_kw) -> None:
-  """Runs the server until interrupted (blocking)."""
+          admin_port: Optional[int] = None, admin_host: str = "127.0.0.1",
+          **server_kw) -> None:
+  """Runs the server until interrupted (blocking); `server_kw` go to `Server`.
+
+  The start-up line says where the admin app listens and where its token is (the token itself,
+  once, only if it was generated and no token file was given).
+  """
   async def main():
     server = Server(engine, **server_kw)
-    bound = await server.start(host, port, admin_port)
-    log.info("serving on %s:%s (admin %s)", host, bound[0], bound[1])
-    print(f"rollout server listening on http://{host}:{bound[0]} (admin port {bound[1]})",
-          flush=True)
+    bound = await server.start(host, port, admin_port, admin_host)
+    log.info("serving on %s:%s (admin %s:%s)", host, bound[0], admin_host, bound[1])
+    admin = ("admin off" if bound[1] is None else
+             f"admin on http://{admin_host}:{bound[1]}, {server.admin.token_notice()}")
+    print(f"rollout server listening on http://{host}:{bound[0]} ({admin})", flush=True)
     try:
       await asyncio.Event().wait()
     finally:

@@ -6,6 +6,11 @@ Sources of weights (exactly one):
 `--gin_file=moe/configs/tiny.gin`). Engine settings come from flags or gin bindings of
 `rollout.EngineConfig` (`--gin.EngineConfig.max_slots=32`; tools/configs/runs/serve.gin lists
 them). gin is used only here, at the edge; `rollout.loading.load_engine` takes plain arguments.
+
+The admin app (weight swaps, `rollout.admin`) listens on `--admin_host` (loopback by default,
+whatever `--host` is) at `--admin_port` and always requires a token: `--admin_token`,
+`$ROLLOUT_ADMIN_TOKEN`, or one generated at start-up, written to `--admin_token_file` (mode 0600)
+or else printed once. Swaps by path read only under `--checkpoint_root`.
 """
 
 from __future__ import annotations
@@ -29,13 +34,27 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   p.add_argument("--hf_checkpoint", help="Hugging Face checkpoint directory (moe.hf import)")
   p.add_argument("--checkpoint", help="project checkpoint directory (moe.checkpoint)")
   p.add_argument("--seed", type=int, default=0, help="init seed for --gin_file models")
-  p.add_argument("--host", default="127.0.0.1")
+  p.add_argument("--host", default="127.0.0.1", help="address of the public (completions) app")
   p.add_argument("--port", type=int, default=8000)
   p.add_argument("--admin_port", type=int, default=None,
                  help="admin port (default: port + 1; -1 disables the admin endpoints)")
+  p.add_argument("--admin_host", default="127.0.0.1",
+                 help="address of the admin app (default loopback, whatever --host is)")
   p.add_argument("--admin_token", default=os.environ.get("ROLLOUT_ADMIN_TOKEN"),
-                 help="require 'Authorization: Bearer TOKEN' on admin requests "
-                      "(default: $ROLLOUT_ADMIN_TOKEN)")
+                 help="the token admin requests send as 'Authorization: Bearer TOKEN' "
+                      "(default: $ROLLOUT_ADMIN_TOKEN; neither: one is generated)")
+  p.add_argument("--admin_token_file", default=None,
+                 help="write the admin token to this file (mode 0600) instead of printing a "
+                      "generated one")
+  p.add_argument("--admin_allowed_hosts", default="",
+                 help="comma-separated extra host names admin requests may use in Host/Origin "
+                      "(e.g. this machine's DNS name with --admin_host=0.0.0.0)")
+  p.add_argument("--checkpoint_root", default=None,
+                 help="/admin/swap loads checkpoints only under this directory (default: "
+                      "swaps by path are off; deltas still work)")
+  p.add_argument("--max_delta_bytes", type=int, default=None,
+                 help="body limit of /admin/swap_delta (default: twice the weights' bytes "
+                      "plus 1 MiB)")
   p.add_argument("--model_name", default=None, help="name reported by /v1/models")
   p.add_argument("--max_slots", type=int, default=None)
   p.add_argument("--max_len", type=int, default=None, help="context length (KV cache per slot)")
@@ -72,8 +91,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
   name = args.model_name or os.path.basename(os.path.normpath(
       args.hf_checkpoint or args.checkpoint or (args.gin_file or ["moe"])[-1]))
   server_lib.serve(engine, host=args.host, port=args.port,
-                   admin_port=None if admin_port < 0 else admin_port, model_name=name,
-                   admin_token=args.admin_token, request_timeout=args.request_timeout,
+                   admin_port=None if admin_port < 0 else admin_port, admin_host=args.admin_host,
+                   model_name=name, admin_token=args.admin_token,
+                   admin_token_file=args.admin_token_file,
+                   admin_allowed_hosts=[h for h in args.admin_allowed_hosts.split(",") if h],
+                   checkpoint_root=args.checkpoint_root, max_delta_bytes=args.max_delta_bytes,
+                   request_timeout=args.request_timeout,
                    load_flat=lambda path: loading.load_flat(path, cfg))
 
 
