@@ -1,14 +1,26 @@
-"""The learner's loop in the pipeline: read a step's batch, train, checkpoint, publish weights.
+"""The learner's loop in the pipeline: read a step's batch, train, publish weights, checkpoint.
 
 Versions: the weights published after the learner's update number v are version v (the initial
-weights are version 0), the same number the samplers record per token and the learner's
-staleness bound compares against. On a restart from a checkpoint older than the newest published
-version p, the learner adopts p as its policy version, so versions stay monotonic for the samplers
-and the staleness arithmetic stays consistent (the few steps between the checkpoint and the crash
-are retrained from the same data: the reader's position is checkpointed with the train state).
+weights are version 0), the same number the samplers record per token, the learner's staleness
+bound compares against and the controller's bound (pipeline.controller) starts groups by. The
+invariant is version == step, always, restarts included: the controller sends step s's groups
+when the samplers serve version >= s - k, so a learner whose version ran ahead of its step would
+find a whole step's data staler than k and drop it.
 
-Order per step: train -> checkpoint (when due) -> publish. A published version is therefore
-never ahead of what a restart can reach by more than the checkpoint interval.
+Order per step: train -> publish -> checkpoint (when due; saved in the background). A published
+version can therefore be ahead of the newest committed checkpoint (a kill after a publish, before
+its checkpoint commits). Restoring then rolls forward: the learner restores the checkpoint at
+step c < p (the newest published version) and retrains steps c+1..p from the same records (the
+reader's position is checkpointed with the train state, the records never change) without
+publishing them again, because versions c+1..p are already out; from step p on it publishes as
+usual. The replayed updates see the same batches at the same versions, so the same episodes are
+trained and dropped as before the crash. (We considered adopting p as the version at step c: that
+breaks version == step and, with it, the controller's staleness arithmetic; and waiting for every
+checkpoint to commit before publishing would serialise checkpoint writes into every step.)
+
+A step whose batch has no trainable token (everything stale, rejected, lost or an
+infrastructure failure) is an error (`EmptyStepError`), not an update: the optimizer would still
+move the weights on its momentum and the run would go on training on nothing.
 """
 
 from __future__ import annotations
@@ -18,11 +30,20 @@ import threading
 import time
 from typing import Callable, Optional
 
-import jax.numpy as jnp
-
+from pipeline import faults
 from pipeline.step_batches import StepBatcher
 
 log = logging.getLogger(__name__)
+
+AFTER_PUBLISH = "learner.after_publish"
+
+
+class EmptyStepError(RuntimeError):
+  """A learner step's batch has no trainable token."""
+
+
+class VersionMismatch(RuntimeError):
+  """The learner's version, step, published version or checkpoint disagree."""
 
 
 class LearnerLoop:
@@ -54,17 +75,22 @@ class LearnerLoop:
     self.publish_s = 0.0
 
   def restore(self) -> bool:
-    """Restores the latest checkpoint if there is one; returns whether it did."""
+    """Restores the latest checkpoint if there is one; returns whether it did.
+
+    The published version may be ahead of the restored step (see the module docstring): `run`
+    then replays the steps in between before it publishes again.
+    """
     if self.checkpoints is None or self.checkpoints.latest_step() is None:
       return False
     data = self.checkpoints.restore(self.learner)
     self.batcher.set_state(data["batcher"])
-    latest = self.published_version()
-    if latest is not None and latest > self.learner.policy_version:
-      self.learner.state = self.learner.state.replace(
-          policy_version=jnp.asarray(latest, jnp.int32))
-    log.info("learner restored at step %d (policy version %d)", self.learner.step,
-             self.learner.policy_version)
+    step, version = self.learner.step, self.learner.policy_version
+    if version != step:
+      raise VersionMismatch(
+          f"checkpoint {self.checkpoints.latest_step()} holds policy version {version} at step "
+          f"{step}; the pipeline needs version == step (a checkpoint from an older learner that "
+          "adopted the published version on restart)")
+    log.info("learner restored at step %d (published version %s)", step, self.published_version())
     return True
 
   def publish_current(self) -> None:
@@ -75,24 +101,55 @@ class LearnerLoop:
     self.publish_s += time.perf_counter() - t0
 
   def run(self, num_steps: int, stop: Optional[threading.Event] = None) -> None:
-    """Trains until the learner has taken `num_steps` steps (or `stop` is set)."""
+    """Trains until the learner has taken `num_steps` steps (or `stop` is set).
+
+    Raises:
+      VersionMismatch: the published version is behind the learner's step (the weight store
+        was reset under a checkpoint), or an update left version != step.
+      EmptyStepError: a step's batch has no trainable token.
+    """
     stop = stop or threading.Event()
-    if self.published_version() is None:
+    published = self.published_version()
+    if published is None and self.learner.step == 0:
       self.publish_current()
+      published = 0
+    if published is None or published < self.learner.step:
+      raise VersionMismatch(
+          f"the learner is at step {self.learner.step} but the newest published version is "
+          f"{published}: every step's weights are published before its checkpoint is saved, so "
+          "the weight store does not belong to this checkpoint directory")
+    if published > self.learner.step:
+      log.warning("learner restored at step %d behind the published version %d: replaying "
+                  "steps %d..%d from the same records without publishing them again",
+                  self.learner.step, published, self.learner.step + 1, published)
     while self.learner.step < num_steps and not stop.is_set():
       t0 = time.perf_counter()
       got = self.batcher.next_batch(self.learner.policy_version, stop)
       if got is None:
         return
       batch, info = got
+      trainable = int(batch["loss_mask"].sum())
+      if trainable == 0:
+        raise EmptyStepError(
+            f"learner step {self.learner.step + 1} has no trainable token: its "
+            f"{info['episodes']} records held {info['stale_episodes']} stale, "
+            f"{info['rejected_episodes']} rejected, {info['infra_failures']} infrastructure-"
+            f"failed and {info['lost_episodes']} lost episodes (learner version "
+            f"{self.learner.policy_version}, max_staleness {self.batcher.cfg.max_staleness})")
       t1 = time.perf_counter()
       self.wait_s += t1 - t0
       metrics = self.learner.train_step(batch)
       self.train_s += time.perf_counter() - t1
-      step = self.learner.step
+      step, version = self.learner.step, self.learner.policy_version
+      if version != step:
+        raise VersionMismatch(f"after step {step} the learner's policy version is {version}")
+      replayed = step <= published
+      if not replayed:
+        self.publish_current()
+        published = step
+        faults.point(AFTER_PUBLISH)
       if self.checkpoints is not None and self.checkpoint_every and \
           step % self.checkpoint_every == 0:
         self.checkpoints.save(self.learner, {"batcher": self.batcher.get_state()})
-      self.publish_current()
       if self.on_step is not None:
-        self.on_step(step, metrics, dict(info, wait_s=t1 - t0))
+        self.on_step(step, metrics, dict(info, wait_s=t1 - t0, replayed=replayed))

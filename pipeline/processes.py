@@ -45,7 +45,32 @@ def step_line(step: int, metrics: dict, info: dict) -> str:
       "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
       "tokens": float(metrics["tokens"]),
       "trained_episodes": int(info["trained_episodes"]), "episodes": int(info["episodes"]),
-      "policy_version": int(metrics["policy_version"]), "max_lag": int(info["max_lag"])})
+      "policy_version": int(metrics["policy_version"]), "max_lag": int(info["max_lag"]),
+      "stale_episodes": int(info["stale_episodes"]), "lost_episodes": int(info["lost_episodes"]),
+      "replayed": bool(info.get("replayed", False))})
+
+
+SUMMARY_LINE = "learner summary "
+
+
+def summary_line(stats, step: int) -> str:
+  """The learner's last line, `learner summary {json}`: where it ended and what became of every
+  record it read (pipeline.step_batches.StepStats): trained, dropped as stale, rejected,
+  infrastructure failures, dropped for lack of room, and lost (missing shards)."""
+  return SUMMARY_LINE + json.dumps({
+      "step": int(step), "episodes": stats.episodes, "trained_episodes": stats.trained_episodes,
+      "stale_episodes": stats.stale_episodes, "infra_failures": stats.infra_failures,
+      "rejected_episodes": sum(stats.rejections.values()),
+      "overflow_episodes": stats.overflow_episodes, "lost_episodes": stats.lost_episodes,
+      "lost_shards": list(stats.lost_shards)})
+
+
+def parse_summary(text: str) -> dict:
+  """The `summary_line` record in a learner's output; raises ValueError if there is none."""
+  for line in reversed(text.splitlines()):
+    if line.startswith(SUMMARY_LINE):
+      return json.loads(line[len(SUMMARY_LINE):])
+  raise ValueError("the learner's output has no summary line")
 
 
 def parse_step_lines(text: str) -> list[dict]:
@@ -61,8 +86,12 @@ def parse_step_lines(text: str) -> list[dict]:
 def run_learner(workdir: str, model_cfg: ModelConfig, config: PipelineConfig,
                 learner_config: LearnerConfig, *, steps: int,
                 init_checkpoint: Optional[str] = None, checkpoint_every: int = 1,
-                seed: int = 0) -> int:
+                seed: int = 0, missing_timeout_s: float = 30.0) -> int:
   """Trains until `steps` learner steps are done; returns the final step.
+
+  Its output: one `step_line` per step (replayed ones after a restart marked) and a closing
+  `summary_line`, also when it stops with an error (an empty step, a version mismatch). A
+  missing trajectory shard is waited for `missing_timeout_s`, then counted as lost.
 
   The learner is `rl.learner.build_learner(learner_config, ...)` with the pipeline's staleness
   bound, the same call as the in-process experiment's (experiment.run.make_rl_learner), so a
@@ -88,15 +117,20 @@ def run_learner(workdir: str, model_cfg: ModelConfig, config: PipelineConfig,
                         num_experts=model_cfg.num_experts, require_routing=True)
   channel = WeightChannel(p["weights"], model_cfg=model_cfg)
   ckpt = CheckpointManager(p["checkpoints"], max_to_keep=2)
-  loop = LearnerLoop(learner, StepBatcher(p["trajectories"], config=config, spec=spec),
+  batcher = StepBatcher(p["trajectories"], config=config, spec=spec,
+                        missing_timeout_s=missing_timeout_s)
+  loop = LearnerLoop(learner, batcher,
                      publish=channel.publish, published_version=channel.latest,
                      checkpoints=ckpt, checkpoint_every=checkpoint_every,
                      on_step=lambda s, m, i: print(step_line(s, m, i), flush=True))
   if loop.restore():
     print(f"learner restored at step {learner.step}", flush=True)
-  loop.run(steps)
-  ckpt.wait()
-  ckpt.close()
+  try:
+    loop.run(steps)
+  finally:
+    ckpt.wait()
+    ckpt.close()
+    print(summary_line(loop.batcher.stats, learner.step), flush=True)
   return learner.step
 
 

@@ -7,6 +7,12 @@ failures), drops episodes staler than the bound (counted), computes GRPO advanta
 over the valid attempts, and packs the episodes first-fit into a fixed [batch_rows, seq_len]
 batch (segment ids keep attention within an episode; positions restart per episode).
 
+Missing data: a hole in a writer's shard sequence (rl.trajectory_io) is waited for up to
+`missing_timeout_s`, then its records are counted as lost (`StepStats.lost_episodes`, logged
+with the shard names) and take their places in the step they belonged to, so later steps still
+start where they should. A step whose records were all lost has nothing to train on, which
+the learner loop refuses (pipeline.learner_loop.EmptyStepError).
+
 Why not rl.rl_data's grain packer: it needs look-ahead (a bin is emitted when the next element no
 longer fits), so a synchronous loop (k = 0), where the next step's data exists only after this
 step trains, would wait forever. Consuming an exact record count per step keeps every k, 0
@@ -39,6 +45,8 @@ class StepStats:
   infra_failures: int = 0
   stale_episodes: int = 0
   overflow_episodes: int = 0
+  lost_episodes: int = 0
+  lost_shards: list = dataclasses.field(default_factory=list)
   rejections: dict = dataclasses.field(default_factory=dict)
 
 
@@ -51,10 +59,12 @@ class StepBatcher:
     spec: episode validation (vocabulary, max length, routing shape).
     include_routing: emit recorded routing for router replay.
     normalize_std: GRPO advantage normalisation by the group's reward std.
+    missing_timeout_s: how long a missing shard is waited for before its records count as lost.
   """
 
   def __init__(self, directory: str, *, config: PipelineConfig, spec: ValidationSpec,
-               include_routing: bool = True, normalize_std: bool = True):
+               include_routing: bool = True, normalize_std: bool = True,
+               missing_timeout_s: float = 30.0):
     self.cfg = config
     self.spec = spec
     self.include_routing = include_routing
@@ -63,30 +73,52 @@ class StepBatcher:
     self._log = RejectionLog(log)
     self.stats.rejections = self._log.counts
     self._source = TrajectorySource(directory, follow=True, poll_interval_s=0.02,
-                                    idle_timeout_s=0.2)
+                                    idle_timeout_s=0.2, missing_timeout_s=missing_timeout_s,
+                                    on_missing="report")
     self._it = iter(self._source)
+    self._lost_carry = 0  # lost records that belong to the steps after the current one
 
   # -- reading -------------------------------------------------------------------------------
-  def _take(self, n: int, stop: threading.Event) -> Optional[list]:
+  def _take(self, n: int, stop: threading.Event) -> Optional[tuple[list, int]]:
+    """(the step's records, how many of its n records were lost), or None if stopped."""
     out = []
-    while len(out) < n:
+    lost = min(self._lost_carry, n)
+    self._lost_carry -= lost
+    while len(out) + lost < n:
       if stop.is_set():
         return None
       try:
-        out.append(next(self._it))
+        item = next(self._it)
       except StopIteration:
         continue  # idle: the source looks for new shards again on the next call
-    return out
+      if "lost" in item:
+        count = item["lost"]["records"]
+        if count is None:
+          raise RuntimeError(f"trajectory shards {item['lost']['shards']} are missing and "
+                             "their records carry no writer_index, so the steps after them "
+                             "cannot be told apart; restore the shards")
+        self.stats.lost_shards.extend(item["lost"]["shards"])
+        take = min(count, n - len(out) - lost)
+        lost += take
+        self._lost_carry += count - take
+        continue
+      out.append(item)
+    return out, lost
 
   def next_batch(self, learner_version: int, stop: Optional[threading.Event] = None):
     """(batch dict, info dict) of the next step, or None if `stop` was set while waiting.
 
     info: episodes read, trained_episodes (packed), group_ids, groups, signal_groups (groups
-    with a non-zero advantage: the rest give the policy gradient nothing), max_lag, mean_lag.
+    with a non-zero advantage: the rest give the policy gradient nothing), max_lag, mean_lag,
+    and this step's stale_episodes, rejected_episodes, infra_failures and lost_episodes.
     """
-    items = self._take(self.cfg.episodes_per_step, stop or threading.Event())
-    if items is None:
+    got = self._take(self.cfg.episodes_per_step, stop or threading.Event())
+    if got is None:
       return None
+    items, lost = got
+    self.stats.lost_episodes += lost
+    before = (self.stats.stale_episodes, sum(self._log.counts.values()),
+              self.stats.infra_failures)
     groups: dict[str, list] = collections.OrderedDict()
     for item in items:
       where = "%s#%d" % tuple(item["loc"])
@@ -129,7 +161,10 @@ class StepBatcher:
     self.stats.trained_episodes += packed
     info = {"episodes": len(items), "trained_episodes": packed, "group_ids": list(groups),
             "groups": len(groups), "signal_groups": signal, "max_lag": max(lags) if lags else 0,
-            "mean_lag": float(np.mean(lags)) if lags else 0.0}
+            "mean_lag": float(np.mean(lags)) if lags else 0.0,
+            "stale_episodes": self.stats.stale_episodes - before[0],
+            "rejected_episodes": sum(self._log.counts.values()) - before[1],
+            "infra_failures": self.stats.infra_failures - before[2], "lost_episodes": lost}
     return batch, info
 
   # -- packing -------------------------------------------------------------------------------
@@ -177,10 +212,13 @@ class StepBatcher:
 
   # -- checkpointing -------------------------------------------------------------------------
   def get_state(self) -> dict:
-    return {"source": self._it.get_state(), "stats": dataclasses.asdict(self.stats)}
+    return {"source": self._it.get_state(), "stats": dataclasses.asdict(self.stats),
+            "lost_carry": self._lost_carry}
 
   def set_state(self, state: dict) -> None:
     self._it.set_state(state["source"])
     st = dict(state["stats"])
     self.stats = StepStats(**st)
+    self.stats.lost_shards = list(self.stats.lost_shards)
     self._log.counts = self.stats.rejections = dict(st.get("rejections", {}))
+    self._lost_carry = int(state.get("lost_carry", 0))

@@ -1,5 +1,8 @@
 """The step reader: exact record counts, validation, staleness, advantages, packing, state."""
 
+import logging
+import os
+import shutil
 import sys
 import threading
 
@@ -10,6 +13,7 @@ from pipeline import episodes as episodes_lib
 from pipeline.config import PipelineConfig
 from pipeline.step_batches import StepBatcher
 from rl.episodes import ValidationSpec
+from rl import trajectory_io
 from rl.trajectory_io import TrajectoryWriter
 from rollout.engine import Completion
 
@@ -96,6 +100,77 @@ def test_bad_records_are_counted(tmp_path):
   assert b.stats.rejections == {"token_out_of_range": 1}
   assert info["trained_episodes"] == 3
   assert info["signal_groups"] == 1  # a's rejected attempt leaves it one: no advantage
+
+
+def _groups(directory, gids, records_per_shard=2):
+  w = TrajectoryWriter(str(directory), "c", records_per_shard=records_per_shard)
+  for gid in gids:
+    w.write_all([_episode(gid, 0, 1.0), _episode(gid, 1, 0.0)])
+  w.close()
+  return trajectory_io.list_shards(str(directory))
+
+
+def test_a_missing_shard_is_lost_in_its_own_step(tmp_path):
+  """Shards of 3 groups (6 records), steps of 2 groups: losing shard 1 (groups d, e, f) costs
+  step 2 one group and step 3 both, and step 4 still starts at group g."""
+  names = _groups(tmp_path, "abcdefghi", records_per_shard=6)
+  os.remove(os.path.join(tmp_path, names[1]))
+  b = StepBatcher(str(tmp_path), config=CFG, spec=SPEC, missing_timeout_s=0.1)
+  stop = threading.Event()
+  timer = threading.Timer(60, stop.set)  # the unfixed reader waits forever for a 5th group
+  timer.start()
+  try:
+    got = [b.next_batch(0, stop) for _ in range(2)]
+    state = b.get_state()
+    got += [b.next_batch(0, stop) for _ in range(2)]
+  finally:
+    timer.cancel()
+  assert None not in got
+  infos = [info for _, info in got]
+  assert [i["group_ids"] for i in infos] == [["a", "b"], ["c"], [], ["g", "h"]]
+  assert [i["lost_episodes"] for i in infos] == [0, 2, 4, 0]
+  assert b.stats.lost_episodes == 6 and b.stats.lost_shards == [names[1]]
+  assert int(got[2][0]["loss_mask"].sum()) == 0  # nothing to train: the learner loop refuses it
+  # Restored between steps 2 and 3 (the lost records still owed to step 3 included).
+  b2 = StepBatcher(str(tmp_path), config=CFG, spec=SPEC, missing_timeout_s=0.1)
+  b2.set_state(state)
+  again = [b2.next_batch(0)[1] for _ in range(2)]
+  assert [(i["group_ids"], i["lost_episodes"]) for i in again] == [([], 4), (["g", "h"], 0)]
+  assert b2.stats.lost_episodes == 6
+
+
+class _Seen(logging.Handler):
+  def __init__(self, text):
+    super().__init__()
+    self.text, self.event = text, threading.Event()
+
+  def emit(self, record):
+    if self.text in record.getMessage():
+      self.event.set()
+
+
+def test_a_late_shard_is_waited_for_and_read_in_order(tmp_path):
+  names = _groups(tmp_path / "all", "abcd")
+  os.makedirs(tmp_path / "live")
+  for n in names[:1] + names[2:]:
+    shutil.copy(tmp_path / "all" / n, tmp_path / "live" / n)
+  seen = _Seen("are missing before")
+  logging.getLogger("rl.rl_data").addHandler(seen)
+  try:
+    b = StepBatcher(str(tmp_path / "live"), config=CFG, spec=SPEC, missing_timeout_s=600)
+    out = []
+    reader = threading.Thread(target=lambda: out.extend(b.next_batch(0) for _ in range(2)),
+                              daemon=True)
+    reader.start()
+    assert seen.event.wait(60), "the reader never noticed the missing shard"
+    os.replace(shutil.copy(tmp_path / "all" / names[1], tmp_path / "live" / ".tmp"),
+               tmp_path / "live" / names[1])
+    reader.join(60)
+    assert not reader.is_alive()
+  finally:
+    logging.getLogger("rl.rl_data").removeHandler(seen)
+  assert [info["group_ids"] for _, info in out] == [["a", "b"], ["c", "d"]]
+  assert b.stats.lost_episodes == 0 and b.stats.lost_shards == []
 
 
 if __name__ == "__main__":

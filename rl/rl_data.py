@@ -56,23 +56,44 @@ class _ShardCache:
     return self.records(shard)[index]
 
 
+class MissingShardError(RuntimeError):
+  """Shards of a writer's sequence never appeared (rl.trajectory_io: sequences have no holes)."""
+
+
 class TrajectorySource(grain.IterDataset):
   """Yields {"loc": [shard, index], "record": decoded msgpack or None} from a directory.
+
+  Shards are read in name order, and a writer's shards in sequence order with no hole: when the
+  next shard is `w-n` but `w-m` (m < n) was never read, the reader waits up to
+  `missing_timeout_s` for it (a shared file system may list files late; never while not
+  following: nothing more is coming). After that, `on_missing="raise"` raises
+  `MissingShardError`; `on_missing="report"` yields one marker item
+  {"loc": [first missing shard, -1], "record": None, "lost": {"shards": [...], "records": n}}
+  (n from the records' `writer_index`, None if the shards carry none) and goes on, so a reader
+  that counts records can keep its boundaries. A shard counted as lost that turns up later is
+  not read (that would reorder the stream); it is logged.
 
   Args:
     directory: the trajectory directory.
     follow: wait for new shards instead of stopping when all are read.
     poll_interval_s: how often to look for new shards while following.
     idle_timeout_s: while following, stop after this long without a new shard (None: never).
+    missing_timeout_s: how long a hole in a writer's sequence may stay open.
+    on_missing: "raise" or "report" (see above).
   """
 
   def __init__(self, directory: str, *, follow: bool = False, poll_interval_s: float = 0.5,
-               idle_timeout_s: Optional[float] = None):
+               idle_timeout_s: Optional[float] = None, missing_timeout_s: float = 30.0,
+               on_missing: str = "raise"):
     super().__init__()
+    if on_missing not in ("raise", "report"):
+      raise ValueError(f"on_missing must be 'raise' or 'report', got {on_missing!r}")
     self.directory = directory
     self.follow = follow
     self.poll_interval_s = poll_interval_s
     self.idle_timeout_s = idle_timeout_s
+    self.missing_timeout_s = missing_timeout_s
+    self.on_missing = on_missing
 
   def __iter__(self):
     return _SourceIterator(self)
@@ -87,13 +108,59 @@ class _SourceIterator(grain.DatasetIterator):
     self._done: set[str] = set()
     self._current: Optional[str] = None
     self._offset = 0
+    # Per writer: the sequence number and writer_index expected next (None: unknown).
+    self._next_seq: dict[str, int] = {}
+    self._next_index: dict[str, Optional[int]] = {}
+    self._lost: dict[str, Optional[int]] = {}  # first lost shard of a hole -> records lost
+    self._lost_names: set[str] = set()
+    self._gap_seen: dict[str, float] = {}  # first missing shard -> when the hole was seen
+    self._late_logged: set[str] = set()
+    self._marker: Optional[dict] = None
+
+  def _gap(self, name: str, missing: list) -> Optional[str]:
+    """Handles the hole before `name`: None while waiting, else `name` (the hole is closed)."""
+    first = missing[0]
+    now = time.monotonic()
+    since = self._gap_seen.setdefault(first, now)
+    if since == now:
+      _log.warning("trajectory shards %s are missing before %s; waiting up to %.0fs", missing,
+                   name, self._ds.missing_timeout_s if self._ds.follow else 0.0)
+    if self._ds.follow and now - since < self._ds.missing_timeout_s:
+      return None
+    writer, seq = trajectory_io.parse_name(name)
+    start = trajectory_io.first_index(self._cache.records(name))
+    expect = self._next_index.get(writer, 0)
+    lost = None if start is None or expect is None else start - expect
+    if self._ds.on_missing == "raise":
+      raise MissingShardError(
+          f"trajectory shards {missing} never appeared in {self._ds.directory} (waited "
+          f"{now - since:.0f}s; the next shard is {name}); {lost} records are missing")
+    _log.error("trajectory shards %s never appeared (waited %.0fs): counting their %s records "
+               "as lost", missing, now - since, lost)
+    self._lost[first] = lost
+    self._lost_names.update(missing)
+    self._next_seq[writer] = seq
+    self._next_index[writer] = start
+    del self._gap_seen[first]
+    self._marker = {"loc": [first, -1], "record": None,
+                    "lost": {"shards": list(missing), "records": lost}}
+    return name
 
   def _next_shard(self) -> Optional[str]:
     waited = 0.0
     while True:
-      todo = [n for n in trajectory_io.list_shards(self._ds.directory) if n not in self._done]
+      names = trajectory_io.list_shards(self._ds.directory)
+      for n in names:
+        if n in self._lost_names and n not in self._late_logged:
+          self._late_logged.add(n)
+          _log.warning("trajectory shard %s appeared after it was counted as lost; not read", n)
+      todo = [n for n in names if n not in self._done and n not in self._lost_names]
       if todo:
-        return todo[0]
+        missing = trajectory_io.missing_before(todo[0], self._next_seq)
+        if not missing:
+          return todo[0]
+        if self._gap(todo[0], missing) is not None:
+          return todo[0]
       if not self._ds.follow:
         return None
       if self._ds.idle_timeout_s is not None and waited >= self._ds.idle_timeout_s:
@@ -108,21 +175,42 @@ class _SourceIterator(grain.DatasetIterator):
         self._offset = 0
         if self._current is None:
           raise StopIteration
+      if self._marker is not None:
+        marker, self._marker = self._marker, None
+        return marker
       recs = self._cache.records(self._current)
       if self._offset < len(recs):
         loc = [self._current, self._offset]
         self._offset += 1
         return {"loc": loc, "record": recs[loc[1]]}
+      writer, seq = trajectory_io.parse_name(self._current)
+      start = trajectory_io.first_index(recs)
+      self._next_seq[writer] = seq + 1
+      self._next_index[writer] = None if start is None else start + len(recs)
       self._done.add(self._current)
       self._current = None
 
   def get_state(self) -> dict:
-    return {"done": sorted(self._done), "current": self._current, "offset": self._offset}
+    return {"done": sorted(self._done), "current": self._current, "offset": self._offset,
+            "next_seq": dict(self._next_seq), "next_index": dict(self._next_index),
+            "lost": dict(self._lost), "lost_names": sorted(self._lost_names)}
 
   def set_state(self, state: dict) -> None:
     self._done = set(state["done"])
     self._current = state["current"]
     self._offset = int(state["offset"])
+    self._lost = dict(state.get("lost", {}))
+    self._lost_names = set(state.get("lost_names", ()))
+    self._marker = None
+    if "next_seq" in state:
+      self._next_seq = {k: int(v) for k, v in state["next_seq"].items()}
+      self._next_index = dict(state["next_index"])
+    else:  # a state from before sequence checking: what was read, in order, defines it
+      self._next_seq, self._next_index = {}, {}
+      for n in sorted(self._done):
+        writer, seq = trajectory_io.parse_name(n)
+        self._next_seq[writer] = max(self._next_seq.get(writer, 0), seq + 1)
+        self._next_index[writer] = None
 
 
 @dataclasses.dataclass

@@ -71,8 +71,10 @@ def test_grouping_advantages_rejections_and_packing(tmp_path):
   ]
   with trajectory_io.TrajectoryWriter(d, "w", records_per_shard=3) as w:
     w.write_all(eps[:6] + bad + eps[6:])
-  with open(os.path.join(d, "w-00000099.msgpack"), "wb") as f:
-    f.write(b"\xc1\xc1garbage")  # an undecodable shard: counted, not fatal
+  # An undecodable shard, next in the writer's sequence (13 records in shards 0-4; a hole in
+  # the sequence would be missing data, see trajectory_io_test): counted, not fatal.
+  with open(os.path.join(d, "w-00000005.msgpack"), "wb") as f:
+    f.write(b"\xc1\xc1garbage")
   stats = rl_data.PipelineStats()
   ds = rl_data.rl_dataset(d, spec=SPEC, seq_len=16, batch_rows=2, version_fn=lambda: 0,
                           stats=stats)

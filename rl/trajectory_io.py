@@ -5,6 +5,13 @@ temporary name and renamed into place when complete, so readers only ever see wh
 Shard names are `<writer_id>-<sequence>.msgpack` (zero-padded), unique per writer, so many
 writers can share a directory. The learner's RL pipeline lists finished shards and reads their
 records by (shard, index), which is also how its checkpointed state refers to them.
+
+Missing data is detectable: a writer's sequence numbers start at 0 and have no holes, and every
+record carries `writer_index`, its position in its writer's stream. A reader that finds shard
+`w-n` while it has read `w` only up to `w-m`, m < n - 1, knows shards m+1..n-1 are missing, and
+`writer_index` of `w-n`'s first record minus the records it has read of `w` is how many records
+they held (`missing_before`, `first_index`). What a reader does about it is its rule
+(rl.rl_data.TrajectorySource: wait for a bound, then raise or count the records as lost).
 """
 
 from __future__ import annotations
@@ -12,14 +19,16 @@ from __future__ import annotations
 import os
 import re
 import tempfile
-from typing import Iterable, Optional
+from typing import Iterable, Mapping, Optional
 
 import msgpack
 
 from rl.episodes import Episode
 
 SUFFIX = ".msgpack"
-_NAME = re.compile(r"^[A-Za-z0-9_.-]+-\d{8}\.msgpack$")
+_NAME = re.compile(r"^([A-Za-z0-9_.-]+)-(\d{8})\.msgpack$")
+# The record field holding the record's position in its writer's stream (0, 1, 2, ...).
+INDEX_KEY = "writer_index"
 
 
 class TrajectoryWriter:
@@ -41,16 +50,27 @@ class TrajectoryWriter:
     self.records_per_shard = records_per_shard
     os.makedirs(directory, exist_ok=True)
     self._buffer: list[bytes] = []
-    self._seq = self._next_sequence()
+    self._seq, self._index = self._resume()
 
-  def _next_sequence(self) -> int:
-    seqs = [int(n[len(self.writer_id) + 1:-len(SUFFIX)]) for n in list_shards(self.directory)
-            if n.startswith(self.writer_id + "-")
-            and n[len(self.writer_id) + 1:-len(SUFFIX)].isdigit()]
-    return max(seqs, default=-1) + 1
+  def _resume(self) -> tuple[int, int]:
+    """(next sequence number, next writer_index): a reused writer id continues its stream."""
+    seqs = [parse_name(n)[1] for n in list_shards(self.directory)
+            if parse_name(n)[0] == self.writer_id]
+    if not seqs:
+      return 0, 0
+    last = shard_name(self.writer_id, max(seqs))
+    recs = read_shard(os.path.join(self.directory, last))
+    start = first_index(recs)
+    if start is None:
+      raise ValueError(f"cannot continue writer {self.writer_id!r}: its last shard {last} "
+                       f"carries no {INDEX_KEY}")
+    return max(seqs) + 1, start + len(recs)
 
   def write(self, episode: Episode) -> None:
-    self._buffer.append(msgpack.packb(episode.to_record(), use_bin_type=True))
+    rec = episode.to_record()
+    rec[INDEX_KEY] = self._index
+    self._buffer.append(msgpack.packb(rec, use_bin_type=True))
+    self._index += 1
     if len(self._buffer) >= self.records_per_shard:
       self.flush()
 
@@ -62,7 +82,7 @@ class TrajectoryWriter:
     """Publishes the buffered episodes as one shard; returns its name (None if empty)."""
     if not self._buffer:
       return None
-    name = f"{self.writer_id}-{self._seq:08d}{SUFFIX}"
+    name = shard_name(self.writer_id, self._seq)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=self.directory)
     with os.fdopen(fd, "wb") as f:
       for rec in self._buffer:
@@ -82,6 +102,36 @@ class TrajectoryWriter:
 
   def __exit__(self, *exc):
     self.close()
+
+
+def shard_name(writer_id: str, seq: int) -> str:
+  return f"{writer_id}-{seq:08d}{SUFFIX}"
+
+
+def parse_name(name: str) -> tuple[str, int]:
+  """`"w-00000003.msgpack"` -> ("w", 3); raises ValueError for a name that is not a shard's."""
+  m = _NAME.match(name)
+  if m is None:
+    raise ValueError(f"{name!r} is not a trajectory shard name (<writer>-<8 digits>{SUFFIX})")
+  return m.group(1), int(m.group(2))
+
+
+def missing_before(name: str, next_seq: Mapping[str, int]) -> list[str]:
+  """The shards of `name`'s writer that must come before it and have not been read.
+
+  `next_seq` maps a writer id to the sequence number the reader expects next from it (0 for a
+  writer it has not read yet).
+  """
+  writer, seq = parse_name(name)
+  return [shard_name(writer, j) for j in range(next_seq.get(writer, 0), seq)]
+
+
+def first_index(records: list) -> Optional[int]:
+  """`writer_index` of a shard's first record (None if the shard or the field is absent)."""
+  if not records or not isinstance(records[0], dict):
+    return None
+  value = records[0].get(INDEX_KEY)
+  return int(value) if isinstance(value, int) else None
 
 
 def list_shards(directory: str) -> list[str]:

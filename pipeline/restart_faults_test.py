@@ -1,0 +1,150 @@
+"""Issue #17 items 1 and 4 as separate learner processes over a work directory (pipeline.processes
+.run_learner), with the controller's records written beforehand so that nothing but the fault
+decides the outcome:
+
+  * a learner killed right after a publish, before that step's checkpoint commits (the
+    `learner.after_publish` fault point, pipeline.faults), restarts, replays to the published
+    version and goes on with version == step, every later step training a full batch;
+  * a step with no trainable token stops the learner with a clear error, never trains on nothing;
+  * a missing trajectory shard is waited for, then counted as lost, and the later steps keep
+    their boundaries (the run finishes instead of waiting forever at its last step).
+
+Each record of step s is sampled at version s and the staleness bound is 0, so a learner whose
+version ran ahead of its step (the bug) finds every later record stale.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from pipeline import episodes as episodes_lib
+from pipeline import processes
+from pipeline import testing
+from rl import trajectory_io
+from rollout.engine import Completion
+
+CFG = testing.config(max_staleness=0)
+STEPS = 4
+TIMEOUT_S = 600  # per learner process; a learner that waits for data it will never get fails
+
+
+def _write_steps(traj_dir, steps, versions=None):
+  """The records of `steps` learner steps, one group per shard, as the controller writes them;
+  step s's tokens come from policy version versions[s] (default s)."""
+  w = trajectory_io.TrajectoryWriter(traj_dir, "controller-1", records_per_shard=CFG.attempts)
+  moe_layers, k = testing.MODEL.num_moe_layers, testing.MODEL.num_experts_per_tok
+  prompt = [256, 40, 41, 42, 43]
+  for s in range(steps):
+    v = s if versions is None else versions[s]
+    for g in range(CFG.prompts_per_step):
+      gid = f"g{s * CFG.prompts_per_step + g:06d}"
+      eps = []
+      for j in range(CFG.attempts):
+        n = 4 + j
+        comp = Completion(token_ids=[60 + (j + g) % 30] * n, logprobs=[-1.0] * n,
+                          routing=np.tile(np.arange(k, dtype=np.uint8), (moe_layers, n, 1)),
+                          policy_versions=[v] * n, finish_reason="stop",
+                          prompt_routing=np.zeros((moe_layers, len(prompt) - 1, k), np.uint8))
+        eps.append(episodes_lib.from_completion(
+            group_id=gid, episode_id=f"{gid}-a{j}", group_size=CFG.attempts, prompt_ids=prompt,
+            completion=comp, reward=float(j % 2)))
+      w.write_all(eps)
+      w.flush()
+  w.close()
+  return trajectory_io.list_shards(traj_dir)
+
+
+def _learner(work, log_path, *, faults=None, extra=""):
+  """Runs one learner process to its end; returns (exit code, its output)."""
+  code = textwrap.dedent(f"""
+      import logging
+      logging.basicConfig(level=logging.WARNING)
+      from pipeline import processes, testing
+      cfg = testing.config(max_staleness=0)
+      processes.run_learner({work!r}, testing.MODEL, cfg, testing.LEARNER, steps={STEPS}{extra})
+  """)
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+             PYTHONUNBUFFERED="1")
+  env.pop("RL_FAULTS", None)
+  if faults:
+    env.update(RL_FAULTS=faults, RL_FAULTS_LOG=log_path + ".faults")
+  with open(log_path, "w") as f:
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=f,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+      rc = proc.wait(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+      os.killpg(proc.pid, signal.SIGKILL)
+      proc.wait()
+      rc = "timeout"
+  return rc, open(log_path).read()
+
+
+def test_learner_killed_after_a_publish_replays_to_the_published_version(tmp_path):
+  work = str(tmp_path / "work")
+  _write_steps(processes.paths(work)["trajectories"], STEPS)
+  log = str(tmp_path / "learner1.log")
+  rc, out1 = _learner(work, log, faults="learner.after_publish@2")
+  assert rc == -signal.SIGKILL, out1[-3000:]
+  assert open(log + ".faults").read().split()[:2] == ["learner.after_publish", "2"]
+  # Killed right after publishing version 2, before step 2's checkpoint was saved.
+  assert testing.published_weights(work)[1] == 2
+  rc, out2 = _learner(work, str(tmp_path / "learner2.log"))
+  assert rc == 0, out2[-3000:]
+  steps = processes.parse_step_lines(out2)
+  replayed = [r["step"] for r in steps if r["replayed"]]
+  fresh = [r for r in steps if not r["replayed"]]
+  # The restart began at the newest committed checkpoint (step 0 or 1) and replayed up to the
+  # published version 2 without publishing it again; then it went on to the end.
+  assert replayed and replayed[-1] == 2 and replayed == list(range(replayed[0], 3)), steps
+  assert [r["step"] for r in fresh] == [3, 4]
+  for r in steps:
+    assert r["policy_version"] == r["step"], steps  # version == step, replays included
+    assert r["trained_episodes"] == CFG.episodes_per_step and r["stale_episodes"] == 0, steps
+    assert r["tokens"] > 0
+  summary = processes.parse_summary(out2)
+  assert summary["step"] == STEPS
+  assert summary["trained_episodes"] == STEPS * CFG.episodes_per_step
+  assert (summary["stale_episodes"], summary["lost_episodes"]) == (0, 0)
+  assert testing.published_weights(work)[1] == STEPS
+
+
+def test_a_step_with_nothing_to_train_stops_the_learner(tmp_path):
+  work = str(tmp_path / "work")
+  # Step 2's records come from version 0: every one is staler than the bound 0.
+  _write_steps(processes.paths(work)["trajectories"], STEPS, versions=[0, 0, 2, 3])
+  rc, out = _learner(work, str(tmp_path / "learner.log"))
+  assert rc not in (0, "timeout"), out[-3000:]
+  assert "EmptyStepError: learner step 2 has no trainable token" in out, out[-3000:]
+  assert "8 stale" in out
+  assert [r["step"] for r in processes.parse_step_lines(out)] == [1]
+  summary = processes.parse_summary(out)
+  assert (summary["step"], summary["trained_episodes"], summary["stale_episodes"]) == (1, 8, 8)
+
+
+def test_a_missing_shard_is_counted_as_lost_and_later_steps_keep_their_boundaries(tmp_path):
+  work = str(tmp_path / "work")
+  traj = processes.paths(work)["trajectories"]
+  shards = _write_steps(traj, STEPS)
+  os.remove(os.path.join(traj, shards[3]))  # step 2's second group
+  rc, out = _learner(work, str(tmp_path / "learner.log"), extra=", missing_timeout_s=1.0")
+  assert rc == 0, out[-3000:]
+  assert f"trajectory shards ['{shards[3]}'] never appeared" in out
+  steps = processes.parse_step_lines(out)
+  assert [r["step"] for r in steps] == [1, 2, 3, 4]
+  # Step 2 trained its one remaining group; steps 3 and 4 read exactly their own groups (a
+  # shifted boundary would have put a group of version s+1 into step s: stale at bound 0).
+  assert [(r["trained_episodes"], r["lost_episodes"], r["stale_episodes"]) for r in steps] == [
+      (8, 0, 0), (4, 4, 0), (8, 0, 0), (8, 0, 0)]
+  summary = processes.parse_summary(out)
+  assert summary["lost_episodes"] == CFG.attempts and summary["lost_shards"] == [shards[3]]
+  assert summary["trained_episodes"] == STEPS * CFG.episodes_per_step - CFG.attempts
+
+
+if __name__ == "__main__":
+  sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
