@@ -168,6 +168,8 @@ class Admin:
     self._bound = (host.lower().strip("[]"), port)
 
   def app(self) -> web.Application:
+    """The aiohttp app. Until `bind` names the address it is served on, it refuses every
+    request (403): the Host check needs it (`rollout.server.Server.start` calls both)."""
     if self.max_delta_bytes is None:
       self.max_delta_bytes = delta_body_limit(self.engine.current_flat())
     # aiohttp's own cap applies to bodies read with request.read(); the handlers read through
