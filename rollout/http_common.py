@@ -1,5 +1,8 @@
 """What the public and admin HTTP apps share: JSON error bodies and the last-resort middleware.
 
+Also, on import: aiohttp's server logs a malformed HTTP message as one line, not a traceback
+(`quiet_bad_http_logs`), so junk sent to either port cannot flood the log.
+
 Split out so that `rollout.server` (public endpoints) and `rollout.admin` (weight swaps) answer
 errors the same way without importing each other.
 """
@@ -9,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
 from typing import Optional
 
+import aiohttp.http_exceptions
 from aiohttp import web
 
 from rollout import protocol
@@ -35,9 +40,40 @@ async def errors(request, handler):
     return json_error(e.status, e.reason or str(e), "http_error")
   except asyncio.CancelledError:
     raise
-  except Exception as e:  # noqa: BLE001 -- the last line of defence
-    log.exception("unhandled error")
-    return json_error(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+  except Exception:  # noqa: BLE001 -- the last line of defence
+    # The client gets an id to quote, never the exception's text (paths, values, internals);
+    # the log has both.
+    error_id = uuid.uuid4().hex[:16]
+    log.exception("unhandled error %s on %s %s", error_id, request.method, request.path)
+    return json_error(500, f"internal error (id {error_id})", "server_error")
+
+
+class _OneLineBadHttp(logging.Filter):
+  """Logs a malformed HTTP message (aiohttp's "Error handling request") as one line.
+
+  aiohttp's server logs every unparsable request with a full traceback; a client sending junk
+  would fill the log with them. The line keeps the peer and the parser's reason (truncated).
+  """
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    exc = record.exc_info[1] if record.exc_info else None
+    if isinstance(exc, aiohttp.http_exceptions.HttpProcessingError):
+      peer = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
+      record.msg = "malformed HTTP request from %s: %s"
+      record.args = (peer, protocol.show(f"{type(exc).__name__}: {exc.message}"))
+      record.exc_info = record.exc_text = None
+      record.levelno, record.levelname = logging.WARNING, "WARNING"
+    return True
+
+
+def quiet_bad_http_logs() -> None:
+  """Installs `_OneLineBadHttp` on aiohttp's server logger (once)."""
+  logger = logging.getLogger("aiohttp.server")
+  if not any(isinstance(f, _OneLineBadHttp) for f in logger.filters):
+    logger.addFilter(_OneLineBadHttp())
+
+
+quiet_bad_http_logs()
 
 
 MAX_JSON_DEPTH = 32

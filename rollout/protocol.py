@@ -12,11 +12,15 @@ more often a bug than an intent, so it is rejected (400) rather than silently ig
 
 from __future__ import annotations
 
+import reprlib
 from typing import Any, Optional
 
 from rollout.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 MAX_N = 128
+# Default cap on prompts x n of one request (rollout.server.Server's max_completions_per_request):
+# one request must not hold every slot and the whole queue, nor build a response of tens of MB.
+MAX_COMPLETIONS_PER_REQUEST = 256
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; the coding environments send 5 (envs.harness.single_turn.STOP)
 
 # Fields the OpenAI client may send that we accept (with their meaning below) and our extras.
@@ -31,16 +35,26 @@ class BadRequest(ValueError):
   """A client error; the message is returned in the 400 response."""
 
 
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 40
+_REPR.maxlong = 24
+
+
+def show(value) -> str:
+  """A short repr of a client's value for an error message (a 1 MB string stays ~40 chars)."""
+  return _REPR.repr(value)
+
+
 def _int(body, name, default, lo=None, hi=None):
   v = body.get(name, default)
   if v is None:
     return default
   if isinstance(v, bool) or not isinstance(v, int):
-    raise BadRequest(f"'{name}' must be an integer, got {type(v).__name__} {v!r}")
+    raise BadRequest(f"'{name}' must be an integer, got {type(v).__name__} {show(v)}")
   if lo is not None and v < lo:
-    raise BadRequest(f"'{name}' must be >= {lo}, got {v}")
+    raise BadRequest(f"'{name}' must be >= {lo}, got {show(v)}")
   if hi is not None and v > hi:
-    raise BadRequest(f"'{name}' must be <= {hi}, got {v}")
+    raise BadRequest(f"'{name}' must be <= {hi}, got {show(v)}")
   return v
 
 
@@ -49,9 +63,9 @@ def _num(body, name, default, lo, hi):
   if v is None:
     return default
   if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
-    raise BadRequest(f"'{name}' must be a number, got {v!r}")
+    raise BadRequest(f"'{name}' must be a number, got {show(v)}")
   if not lo <= v <= hi:
-    raise BadRequest(f"'{name}' must lie in [{lo}, {hi}], got {v}")
+    raise BadRequest(f"'{name}' must lie in [{lo}, {hi}], got {show(v)}")
   return float(v)
 
 
@@ -60,7 +74,7 @@ def _bool(body, name, default):
   if v is None:
     return default
   if not isinstance(v, bool):
-    raise BadRequest(f"'{name}' must be true or false, got {v!r}")
+    raise BadRequest(f"'{name}' must be true or false, got {show(v)}")
   return v
 
 
@@ -69,9 +83,9 @@ def _token_list(x, vocab_size: int, where: str) -> list:
     raise BadRequest(f"{where} is empty")
   for i, t in enumerate(x):
     if isinstance(t, bool) or not isinstance(t, int):
-      raise BadRequest(f"{where}[{i}] must be an integer token id, got {t!r}")
+      raise BadRequest(f"{where}[{i}] must be an integer token id, got {show(t)}")
     if not 0 <= t < vocab_size:
-      raise BadRequest(f"{where}[{i}] = {t} is outside the vocabulary (size {vocab_size})")
+      raise BadRequest(f"{where}[{i}] = {show(t)} is outside the vocabulary (size {vocab_size})")
   return list(x)
 
 
@@ -80,6 +94,11 @@ def parse_prompts(prompt: Any, tokenizer, vocab_size: int) -> list:
   def text(s, where):
     if tokenizer is None:
       raise BadRequest(f"{where} is text but this model has no tokenizer; send token ids")
+    try:
+      s.encode("utf-8")  # JSON can carry lone surrogates ("\ud800"), which no tokenizer takes
+    except UnicodeEncodeError as e:
+      raise BadRequest(f"{where} is not valid Unicode: a lone surrogate at character "
+                       f"{e.start}") from None
     ids = tokenizer.encode(s)
     return _token_list(ids, vocab_size, f"{where} (encoded)")
 
@@ -96,7 +115,7 @@ def parse_prompts(prompt: Any, tokenizer, vocab_size: int) -> list:
       elif isinstance(p, list):
         out.append(_token_list(p, vocab_size, where))
       else:
-        raise BadRequest(f"{where} must be a string or a list of token ids, got {p!r}")
+        raise BadRequest(f"{where} must be a string or a list of token ids, got {show(p)}")
     return out
   if isinstance(prompt, list):
     raise BadRequest("'prompt' is empty")
@@ -104,9 +123,20 @@ def parse_prompts(prompt: Any, tokenizer, vocab_size: int) -> list:
                    f"got {type(prompt).__name__}")
 
 
+def _count_prompts(prompt: Any) -> int:
+  """How many prompts 'prompt' holds (without tokenizing any)."""
+  if isinstance(prompt, list) and prompt and not all(
+      isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    return len(prompt)
+  return 1
+
+
 def parse_completion_request(body: Any, tokenizer, vocab_size: int,
-                             max_tokens_limit: int) -> dict:
+                             max_tokens_limit: int,
+                             max_completions: int = MAX_COMPLETIONS_PER_REQUEST) -> dict:
   """Validates a completions request.
+
+  `max_completions` caps prompts x n; it is checked before any text prompt is tokenized.
 
   Returns:
     dict(prompts=[token-id lists], params=SamplingParams, stream=bool, timeout=float or None, return_routing=bool, return_prompt_routing=bool, model=str or None).
@@ -118,15 +148,21 @@ def parse_completion_request(body: Any, tokenizer, vocab_size: int,
     raise BadRequest("the request body must be a JSON object")
   unknown = sorted(set(body) - _OPENAI_FIELDS - _EXTRA_FIELDS)
   if unknown:
-    raise BadRequest(f"unknown field(s) {unknown}; accepted: "
+    names = ", ".join(show(k) for k in unknown[:5]) + (
+        f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+    raise BadRequest(f"unknown field(s) {names}; accepted: "
                      f"{sorted(_OPENAI_FIELDS | _EXTRA_FIELDS)}")
   if "prompt" not in body:
     raise BadRequest("'prompt' is required")
   model = body.get("model")
   if model is not None and not isinstance(model, str):
     raise BadRequest("'model' must be a string")
-  prompts = parse_prompts(body["prompt"], tokenizer, vocab_size)
   n = _int(body, "n", 1, 1, MAX_N)
+  count = _count_prompts(body["prompt"]) * n
+  if count > max_completions:
+    raise BadRequest(f"'prompt' x 'n' asks for {count} completions; at most {max_completions} "
+                     "per request (send several requests)")
+  prompts = parse_prompts(body["prompt"], tokenizer, vocab_size)
   best_of = _int(body, "best_of", None, 1)
   if best_of is not None and best_of != n:
     raise BadRequest("'best_of' is not supported (it must equal 'n' when given)")
@@ -155,14 +191,16 @@ def parse_completion_request(body: Any, tokenizer, vocab_size: int,
     raise BadRequest(f"at most {MAX_STOP_STRINGS} stop strings")
   if stop and tokenizer is None:
     raise BadRequest("'stop' strings need a tokenizer; use 'stop_token_ids'")
-  stop_ids = body.get("stop_token_ids") or []
+  stop_ids = body.get("stop_token_ids")
+  if stop_ids is None:
+    stop_ids = []
   if not isinstance(stop_ids, list):
-    raise BadRequest("'stop_token_ids' must be a list of token ids")
+    raise BadRequest(f"'stop_token_ids' must be a list of token ids, got {show(stop_ids)}")
   if stop_ids:
     _token_list(stop_ids, vocab_size, "'stop_token_ids'")
   seed = body.get("seed")
   if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-    raise BadRequest(f"'seed' must be an integer, got {seed!r}")
+    raise BadRequest(f"'seed' must be an integer, got {show(seed)}")
   if seed is not None and not -2**63 <= seed < 2**64:
     raise BadRequest("'seed' is out of range")
   user = body.get("user")
@@ -178,7 +216,8 @@ def parse_completion_request(body: Any, tokenizer, vocab_size: int,
         stop_token_ids=tuple(stop_ids), stop=tuple(stop), seed=seed,
         ignore_eos=_bool(body, "ignore_eos", False), logprobs=logprobs or 0)
   except ValueError as e:
-    raise BadRequest(str(e)) from None
+    msg = str(e)  # names the field; kept short should it quote a client's value
+    raise BadRequest(msg if len(msg) <= 300 else msg[:300] + "...") from None
   return {"prompts": prompts, "params": params, "stream": _bool(body, "stream", False),
           "timeout": timeout,
           "return_routing": _bool(body, "return_routing", True),

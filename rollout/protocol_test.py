@@ -52,6 +52,54 @@ def test_rejections_name_the_field(body, fragment):
     parse(body)
 
 
+@pytest.mark.parametrize("value", [0, {}, False, "1", 5])
+def test_stop_token_ids_must_be_a_list(value):
+  with pytest.raises(protocol.BadRequest, match="'stop_token_ids' must be a list"):
+    parse({"prompt": [1], "stop_token_ids": value})
+  assert parse({"prompt": [1], "stop_token_ids": []})["params"].stop_token_ids == ()
+
+
+def test_a_lone_surrogate_in_a_text_prompt_is_a_bad_request():
+  with pytest.raises(protocol.BadRequest, match=r"'prompt'\[1\] is not valid Unicode.*character 1"):
+    parse({"prompt": ["ok", "a\ud800b"]})
+
+
+def test_prompts_times_n_is_capped_before_tokenizing():
+  class Counting(ByteLevel):
+    calls = 0
+
+    def encode(self, text):
+      Counting.calls += 1
+      return super().encode(text)
+
+  tok = Counting(300)
+  body = {"prompt": ["x"] * 9, "n": 3}
+  with pytest.raises(protocol.BadRequest, match="27 completions; at most 26 per request"):
+    protocol.parse_completion_request(body, tok, 300, max_tokens_limit=100, max_completions=26)
+  assert Counting.calls == 0
+  assert len(protocol.parse_completion_request(body, tok, 300, max_tokens_limit=100,
+                                               max_completions=27)["prompts"]) == 9
+  # A flat token-id list is one prompt, however long.
+  assert len(parse({"prompt": [1] * 50, "n": 2})["prompts"]) == 1
+  with pytest.raises(protocol.BadRequest, match="at most 256"):
+    parse({"prompt": [[1]] * 129, "n": 2})
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": [1], "temperature": "x" * 1_000_000},
+    {"prompt": [1], "max_tokens": 10**4000},
+    {"prompt": ["a", {"k": "v" * 1_000_000}]},
+    {"prompt": [1, "y" * 1_000_000]},
+    {"prompt": [1], "stream": ["z" * 1_000_000]},
+    {"prompt": [1], "stop_token_ids": "s" * 1_000_000},
+    {"prompt": [1], **{"f" * 100_000 + str(i): 1 for i in range(1000)}},
+])
+def test_messages_that_quote_a_client_value_stay_short(body):
+  with pytest.raises(protocol.BadRequest) as e:
+    parse(body)
+  assert len(str(e.value)) < 600, str(e.value)[:1000]
+
+
 def test_choice_json_carries_sampler_fields():
   c = Completion(token_ids=[104, 105], logprobs=[-0.5, -1.0],
                  routing=np.array([[[0, 1], [2, 3]]], np.uint8), policy_versions=[3, 4],

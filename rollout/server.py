@@ -18,7 +18,6 @@ through asyncio, and streaming receives per-chunk callbacks via `call_soon_threa
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -36,6 +35,9 @@ from rollout.engine import Engine, EngineStopped, QueueFull
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
+# How long past a request's timeout the handler waits for the engine before answering 504
+# itself: the engine ends timed-out requests on its own, unless its loop is stuck.
+TIMEOUT_GRACE_S = 2.0
 
 
 _json_error = http_common.json_error
@@ -46,6 +48,7 @@ class Server:
 
   def __init__(self, engine: Engine, *, model_name: str = "moe", admin_token: Optional[str] = None,
                request_timeout: Optional[float] = 600.0,
+               max_completions_per_request: int = protocol.MAX_COMPLETIONS_PER_REQUEST,
                load_flat: Optional[Callable[[str], dict]] = None,
                health_checks: Sequence[Callable[[], Optional[str]]] = (),
                admin_token_file: Optional[str] = None, checkpoint_root: Optional[str] = None,
@@ -56,6 +59,8 @@ class Server:
       admin_token: the token admin requests must send as `Authorization: Bearer <token>`; None
         generates one (`self.admin.token`): the admin app never runs without a token.
       request_timeout: default per-request timeout in seconds (None: none).
+      max_completions_per_request: most completions (prompts x n) one request may ask for; more
+        is a 400 naming the limit.
       load_flat: path -> flat weights, for `/admin/swap` (e.g. rollout.loading.load_flat).
       health_checks: callables polled by `/health`; each returns None when its part is fine or a
         sentence saying what is wrong (e.g. a weight-sync thread that died, weights stale beyond
@@ -69,6 +74,7 @@ class Server:
     self.tokenizer = engine.tokenizer
     self.model_name = model_name
     self.request_timeout = request_timeout
+    self.max_completions_per_request = max_completions_per_request
     self.health_checks = tuple(health_checks)
     self.admin = admin_lib.Admin(engine, token=admin_token, token_file=admin_token_file,
                                  load_flat=load_flat, checkpoint_root=checkpoint_root,
@@ -152,55 +158,75 @@ class Server:
     self.http_stats["http_400_total"] += 1
     return _json_error(400, message)
 
-  async def completions(self, request) -> web.StreamResponse:
-    raw = await request.read()
-    try:
-      body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-      return self._bad(f"malformed JSON body: {e}")
+  def _parse(self, raw: bytes) -> dict:
+    """The validated request (protocol.BadRequest otherwise); runs in an executor thread."""
     eng = self.engine
+    return protocol.parse_completion_request(
+        http_common.parse_json(raw), self.tokenizer, eng.model_config.vocab_size,
+        max_tokens_limit=eng.max_len - 1, max_completions=self.max_completions_per_request)
+
+  async def completions(self, request) -> web.StreamResponse:
+    if request.content_type != "application/json":
+      return _json_error(415, "the body must be JSON sent as Content-Type: application/json, "
+                              f"got {protocol.show(request.content_type)}")
+    raw = await request.read()
+    eng = self.engine
+    loop = asyncio.get_running_loop()
     try:
-      req = protocol.parse_completion_request(body, self.tokenizer, eng.model_config.vocab_size,
-                                              max_tokens_limit=eng.max_len - 1)
+      # Off the event loop: decoding and tokenizing megabytes of JSON and text takes long enough
+      # to stall every other request and /health, even when the request is then refused.
+      req = await loop.run_in_executor(None, self._parse, raw)
     except protocol.BadRequest as e:
       return self._bad(str(e))
     timeout = req["timeout"] if req["timeout"] is not None else self.request_timeout
-    loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     on_tokens = None
     if req["stream"]:
       def on_tokens(h, i, toks, lps, reason):  # engine thread
         loop.call_soon_threadsafe(events.put_nowait, (h.id, i, list(toks), list(lps), reason))
-    handles = []
     try:
-      for p in req["prompts"]:
-        handles.append(eng.submit(p, req["params"], timeout=timeout, on_tokens=on_tokens))
+      # One call for all prompts: queued together or not at all, and scheduled as one request.
+      handles = eng.submit_batch(req["prompts"], req["params"], timeout=timeout,
+                                 on_tokens=on_tokens)
     except ValueError as e:
-      for h in handles:
-        h.cancel()
       return self._bad(str(e))
     except QueueFull as e:
-      for h in handles:
-        h.cancel()
       self.http_stats["http_429_total"] += 1
       return _json_error(429, f"server busy: {e}; retry later", "rate_limit_error",
                          headers={"Retry-After": str(RETRY_AFTER_S)})
     except EngineStopped as e:
-      for h in handles:
-        h.cancel()
       return _json_error(503, str(e), "server_error")
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
+    # The engine answers a request by its timeout; this bound holds even if its loop is stuck.
+    deadline = None if timeout is None else loop.time() + timeout + TIMEOUT_GRACE_S
+    futures = [asyncio.wrap_future(h.future) for h in handles]
     try:
       if req["stream"]:
         return await streaming.stream(request, self.tokenizer, req, handles, events, rid,
-                                      created, req["model"] or self.model_name)
-      results = await asyncio.gather(*(asyncio.wrap_future(h.future) for h in handles))
+                                      created, req["model"] or self.model_name, deadline)
+      # asyncio.wait, not gather/wait_for: it never cancels the engine's futures, which the
+      # engine thread completes itself once the handles are cancelled.
+      _, pending = await asyncio.wait(
+          futures, timeout=None if deadline is None else max(0.0, deadline - loop.time()))
     except (asyncio.CancelledError, ConnectionResetError):
       self.http_stats["client_disconnects_total"] += 1
       for h in handles:
         h.cancel()
       raise
+    if pending:
+      for h in handles:
+        h.cancel()
+      log.warning("%s: no answer from the engine %.1f s past its %s s timeout; answered 504",
+                  rid, TIMEOUT_GRACE_S, timeout)
+      self.http_stats["http_504_total"] += 1
+      return _json_error(504, f"request timed out after {timeout} s", "timeout_error")
+    failed = [f for f in futures if f.cancelled() or f.exception() is not None]
+    if failed:
+      log.error("%s: the engine failed the request: %r", rid,
+                "cancelled" if failed[0].cancelled() else failed[0].exception())
+      return _json_error(500, f"internal error (request id {rid})", "server_error")
+    results = [f.result() for f in futures]
     if any(c.finish_reason == "timeout" for r in results for c in r):
       self.http_stats["http_504_total"] += 1
       return _json_error(504, f"request timed out after {timeout} s", "timeout_error")
@@ -216,7 +242,6 @@ class Server:
         "model": req["model"] or self.model_name, "choices": choices,
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                   "total_tokens": prompt_tokens + completion_tokens}})
-
 
 def serve(engine: Engine, *, host: str = "127.0.0.1", port: int = 8000,
           admin_port: Optional[int] = None, admin_host: str = "127.0.0.1",

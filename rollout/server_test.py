@@ -145,6 +145,12 @@ def test_streaming_matches_plain(client):
     ({"prompt": [1], "logprobs": 6}, "logprobs"),
     ({"prompt": [1], "stream": "yes"}, "stream"),
     ([1, 2], "JSON object"),
+    ({"prompt": [1], "stop_token_ids": 0}, "'stop_token_ids'"),
+    ({"prompt": [1], "stop_token_ids": {}}, "'stop_token_ids'"),
+    ({"prompt": [1], "stop_token_ids": False}, "'stop_token_ids'"),
+    ({"prompt": "a\ud800b"}, "'prompt' is not valid Unicode"),
+    ({"prompt": ["ok", "\udfff"]}, "'prompt'[1] is not valid Unicode"),
+    ({"prompt": [[1]] * 129, "n": 2}, "at most 256 per request"),
 ])
 def test_bad_input_is_400_and_server_keeps_serving(live, body, fragment):
   status, out, _ = _post(live.port, "/v1/completions", body)
@@ -157,6 +163,41 @@ def test_bad_input_is_400_and_server_keeps_serving(live, body, fragment):
 def test_malformed_json_is_400(live):
   status, out, _ = _post(live.port, "/v1/completions", None, raw=b"{not json")
   assert status == 400 and "malformed JSON" in out["error"]["message"]
+
+
+@pytest.mark.parametrize("raw,fragment", [
+    (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested more than"),
+    (b'{"prompt": [1], "max_tokens": ' + b"7" * 5000 + b"}", "too many digits"),
+    (b'{"prompt": [1], "user": "\xc3\x28"}', "not UTF-8"),
+])
+def test_bodies_json_cannot_take_are_400_without_internals(live, raw, fragment):
+  status, out, _ = _post(live.port, "/v1/completions", None, raw=raw)
+  assert status == 400, out
+  message = out["error"]["message"]
+  assert fragment in message and "Error" not in message and len(message) < 200, message
+
+
+def test_messages_quoting_client_values_are_short(live):
+  status, out, _ = _post(live.port, "/v1/completions",
+                         {"prompt": [1], "temperature": "x" * 1_000_000})
+  assert status == 400 and "'temperature'" in out["error"]["message"]
+  assert len(out["error"]["message"]) < 300
+
+
+def test_a_json_content_type_is_required(live):
+  body = json.dumps({"prompt": [1, 2], "max_tokens": 1}).encode()
+  for ctype in ("text/plain", "application/x-www-form-urlencoded", None):
+    conn = http.client.HTTPConnection("127.0.0.1", live.port, timeout=120)
+    try:
+      conn.request("POST", "/v1/completions", body, {"Content-Type": ctype} if ctype else {})
+      r = conn.getresponse()
+      assert r.status == 415, ctype
+      assert "application/json" in json.loads(r.read())["error"]["message"]
+    finally:
+      conn.close()
+  status, _, _ = _post(live.port, "/v1/completions", None, raw=body,
+                       headers={"Content-Type": "application/json; charset=utf-8"})
+  assert status == 200
 
 
 def test_backpressure_429_and_timeout_504(live):
@@ -268,6 +309,179 @@ def test_health_reports_failing_checks(live):
     assert "broken failed: RuntimeError" in json.loads(e.value.read())["problems"][0]
   finally:
     other.close()
+
+
+@pytest.mark.parametrize("stop", [None, ["a", "e", "o", " ", "\n", "\x00"]])
+def test_streamed_text_equals_plain_text_with_multibyte_text(client, live, stop):
+  """The tiny random model samples bytes, so chunk boundaries split multi-byte characters (and
+  invalid UTF-8 turns up); the streamed pieces must still add up to the plain text exactly."""
+  tok = live.server.tokenizer
+  splits, reasons = 0, set()
+  for seed in range(8):
+    kw = dict(model="tiny", prompt=f"hé{seed} 日本 🙂", max_tokens=40,  # 15 bytes + 40 <= 64
+              temperature=1.0, seed=seed, stop=stop)
+    plain = client.completions.create(**kw).choices[0]
+    toks, text, seen = [], "", []
+    for chunk in client.completions.create(stream=True, **kw):
+      c = chunk.choices[0]
+      toks += c.model_extra.get("token_ids") or []
+      text += c.text
+      seen.append(list(toks))
+    assert toks == plain.model_extra["token_ids"], seed
+    assert text == plain.text, (seed, text, plain.text)
+    reasons.add(plain.finish_reason)
+    # A boundary inside a character: the prefix decodes to a trailing U+FFFD that the whole
+    # text does not have there.
+    splits += any(tok.decode(p).endswith("\ufffd") and
+                  plain.text[len(tok.decode(p)) - 1:len(tok.decode(p))] != "\ufffd"
+                  for p in seen)
+  # The cases the test is for did happen (the model and seeds are fixed: this is not luck).
+  if stop:
+    assert "stop" in reasons, "no stop string ended a completion"
+  else:
+    assert splits, "no chunk boundary split a character"
+
+
+def test_health_answers_while_a_prompt_is_tokenized(live):
+  """Tokenizing (and parsing) runs off the event loop: a slow one does not block /health."""
+  entered, gate = threading.Event(), threading.Event()
+  real = live.server.tokenizer
+
+  class Slow:
+    eos_id = real.eos_id
+
+    def encode(self, text):
+      entered.set()
+      gate.wait(120)
+      return real.encode(text)
+
+    def decode(self, ids):
+      return real.decode(ids)
+
+  other = _Live(live.server.engine)
+  other.server.tokenizer = Slow()
+  out = {}
+  sender = threading.Thread(target=lambda: out.update(r=_post(
+      other.port, "/v1/completions", {"prompt": "hello", "max_tokens": 1})))
+  try:
+    sender.start()
+    waiting.wait_event(entered, "the server to start tokenizing the prompt")
+    with urllib.request.urlopen(f"http://127.0.0.1:{other.port}/health", timeout=30) as r:
+      assert r.status == 200
+    assert not gate.is_set() and sender.is_alive()
+  finally:
+    gate.set()
+    sender.join(120)
+    other.close()
+  assert out["r"][0] == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stuck_engine_loop_still_gets_an_answer_by_the_timeout(live, monkeypatch, stream):
+  """The engine thread is held inside a decode call, so it can neither finish nor expire the
+  request: the handler answers by itself (504, or a stream ending in "timeout")."""
+  from rollout import device_programs
+  entered, gate = threading.Event(), threading.Event()
+  real = device_programs.decode_chunk
+
+  def held(*a, **kw):
+    entered.set()
+    gate.wait(120)
+    return real(*a, **kw)
+
+  monkeypatch.setattr(device_programs, "decode_chunk", held)
+  body = {"prompt": [1, 2], "max_tokens": 30, "ignore_eos": True, "timeout": 0.5,
+          "stream": stream}
+  out = {}
+
+  def send():
+    conn = http.client.HTTPConnection("127.0.0.1", live.port, timeout=120)
+    try:
+      conn.request("POST", "/v1/completions", json.dumps(body),
+                   {"Content-Type": "application/json"})
+      r = conn.getresponse()
+      out["status"], out["body"] = r.status, r.read().decode()
+    finally:
+      conn.close()
+
+  sender = threading.Thread(target=send)
+  try:
+    sender.start()
+    waiting.wait_event(entered, "the engine to enter a decode call")
+    sender.join(0.5 + server_lib.TIMEOUT_GRACE_S + 60)
+    assert not sender.is_alive(), "no answer while the engine loop is stuck"
+    assert not gate.is_set()
+  finally:
+    gate.set()
+    sender.join(120)
+  if not stream:
+    assert out["status"] == 504 and "timed out" in json.loads(out["body"])["error"]["message"]
+  else:
+    events = [e[len("data: "):] for e in out["body"].split("\n\n") if e]
+    assert out["status"] == 200 and events[-1] == "[DONE]"
+    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "timeout"
+
+
+def test_a_small_request_is_served_while_a_huge_one_runs(ckpt, monkeypatch):
+  """One request at the completions cap must not hold the server: a 1-token request sent while
+  it runs finishes long before it (the engine schedules submissions fairly; the handler submits
+  each HTTP request as one submission). Order-based: the engine is held on its first decode call
+  until the small request is queued, and the order the engine completes prompts in is recorded,
+  so the machine's speed does not matter."""
+  from rollout import device_programs
+  from rollout import loading
+  from rollout.engine import EngineConfig
+  cap = 24
+  eng = loading.load_engine(EngineConfig(max_slots=4, max_len=64, decode_steps=4, max_queue=64),
+                            hf_checkpoint=ckpt, max_seq_len=64)
+  srv = _Live(eng, max_completions_per_request=cap)
+  order, real_submit = [], eng.submit_batch
+
+  def recording_submit(prompts, *a, **kw):
+    tag = "huge" if len(prompts) == cap else "small"
+    handles = real_submit(prompts, *a, **kw)
+    for h in handles:  # done callbacks run on the engine thread as each prompt completes
+      h.future.add_done_callback(lambda _, tag=tag: order.append(tag))
+    return handles
+
+  monkeypatch.setattr(eng, "submit_batch", recording_submit)
+  entered, gate = threading.Event(), threading.Event()
+  real_decode = device_programs.decode_chunk
+
+  def held(*a, **kw):
+    entered.set()
+    gate.wait(120)
+    return real_decode(*a, **kw)
+
+  monkeypatch.setattr(device_programs, "decode_chunk", held)
+  out = {}
+  huge = threading.Thread(target=lambda: out.update(huge=_post(srv.port, "/v1/completions", {
+      "prompt": [[1, 2, 3]] * cap, "max_tokens": 20, "ignore_eos": True, "temperature": 0})))
+  small = threading.Thread(target=lambda: out.update(small=_post(
+      srv.port, "/v1/completions", {"prompt": [[4, 5]], "max_tokens": 1})))
+  try:
+    status, body, _ = _post(srv.port, "/v1/completions", {"prompt": [[1]] * (cap + 1)})
+    assert status == 400 and f"at most {cap} per request" in body["error"]["message"]
+    requests_before = eng.stats["requests_total"]
+    huge.start()
+    waiting.wait_event(entered, "the huge request's first decode call")
+    small.start()
+    waiting.wait_until(lambda: eng.stats["requests_total"] == requests_before + cap + 1,
+                       "the small request to be queued behind the huge one")
+    gate.set()
+    for t in (small, huge):
+      t.join(300)
+      assert not t.is_alive(), "a request got no answer"
+  finally:
+    gate.set()
+    srv.close()
+    eng.stop()
+  assert out["small"][0] == 200 and out["huge"][0] == 200
+  assert len(out["huge"][1]["choices"]) == cap
+  assert sorted(order) == ["huge"] * cap + ["small"]
+  # Fair: admitted with the next wave of free slots (index <= 2 waves of 4). In arrival order it
+  # would wait for all of the huge request's prompts to be admitted (index >= cap - 4).
+  assert order.index("small") < cap // 2, order
 
 
 if __name__ == "__main__":

@@ -1,36 +1,47 @@
 """Server-sent-event streaming of `/v1/completions` (`stream: true`).
 
 What: `stream(request, ...)` writes one `data:` event per engine chunk (new token ids, their
-logprobs and the text they complete), then one final event per choice (finish reason, policy
-versions, routing), then `data: [DONE]`. The engine thread feeds `events` through
+logprobs and the text they settle), then one final event per choice (the rest of its text, finish
+reason, policy versions, routing), then `data: [DONE]`. The engine thread feeds `events` through
 `loop.call_soon_threadsafe`; this coroutine only reads it.
 
-Why its own module: the text of a stream must equal the non-streamed text however tokens split
-characters and stop strings, and that logic is easier to read and test apart from the handlers.
+Text: each choice's text goes through `rollout.detokenize.IncrementalText`, so the streamed
+pieces concatenated equal the non-streamed text exactly, however tokens split characters and
+stop strings. A chunk that ends its choice carries no text (the engine may drop the stop token's
+text or cut at a stop string); the final event carries the rest.
+
+Deadline: if the choices have not all ended by `deadline` (loop time; the request's timeout
+plus a grace, for an engine loop that is stuck), the handles are cancelled and every unfinished
+choice ends with finish_reason "timeout": the stream always ends.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+from typing import Optional
 
 from aiohttp import web
 
+from rollout import detokenize
 from rollout import protocol
+
+log = logging.getLogger(__name__)
 
 
 async def stream(request, tokenizer, req: dict, handles: list, events: asyncio.Queue, rid: str,
-                 created: int, model: str) -> web.StreamResponse:
+                 created: int, model: str,
+                 deadline: Optional[float] = None) -> web.StreamResponse:
   """Streams the completions of `handles` (one per prompt of `req`) as server-sent events."""
+  loop = asyncio.get_running_loop()
   resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                      "Cache-Control": "no-cache"})
   await resp.prepare(request)
   n = req["params"].n
   order = {h.id: pi for pi, h in enumerate(handles)}
-  tokens = {}  # choice index -> tokens so far
-  sent_text = {}
-  hold = bool(req["params"].stop)  # stop strings: text is final only once a choice ends
-  ended = 0
+  texts = {}  # choice index -> IncrementalText
+  ended = set()
   total = len(handles) * n
 
   async def send(choice: dict) -> None:
@@ -38,35 +49,67 @@ async def stream(request, tokenizer, req: dict, handles: list, events: asyncio.Q
                "choices": [choice]}
     await resp.write(f"data: {json.dumps(payload)}\n\n".encode())
 
-  while ended < total:
-    hid, i, toks, lps, reason = await events.get()
+  def left() -> Optional[float]:
+    return None if deadline is None else max(0.0, deadline - loop.time())
+
+  timed_out = False
+  while len(ended) < total:
+    try:
+      hid, i, toks, lps, reason = await asyncio.wait_for(events.get(), left())
+    except asyncio.TimeoutError:
+      timed_out = True
+      break
     idx = order[hid] * n + i
-    all_toks = tokens.setdefault(idx, [])
-    all_toks.extend(toks)
     text = ""
-    if tokenizer is not None and not hold:
-      full = tokenizer.decode(all_toks)
-      prev = sent_text.get(idx, "")
-      text = full[len(prev):] if full.startswith(prev) else ""
-      sent_text[idx] = prev + text
+    if tokenizer is not None and reason is None:
+      if idx not in texts:
+        texts[idx] = detokenize.IncrementalText(tokenizer, req["params"].stop)
+      text = texts[idx].push(toks)
     if toks:
       await send({"index": idx, "text": text, "token_ids": toks,
                   "logprobs": protocol.logprobs_json(tokenizer, toks, lps),
                   "finish_reason": None})
     if reason is not None:
-      ended += 1
-  results = await asyncio.gather(*(asyncio.wrap_future(h.future) for h in handles))
-  for pi, r in enumerate(results):
-    for c in r:
-      idx = pi * n + c.index
-      prev = sent_text.get(idx, "")
-      rest = c.text[len(prev):] if c.text.startswith(prev) else ""
+      ended.add(idx)
+  futures = [asyncio.wrap_future(h.future) for h in handles]
+  if not timed_out:
+    # The engine sets each result right after its last chunk; bounded all the same.
+    _, pending = await asyncio.wait(futures, timeout=left())
+    timed_out = bool(pending)
+  if timed_out:
+    for h in handles:
+      h.cancel()
+  for pi, f in enumerate(futures):
+    results = failure = None
+    if not f.done():
+      failure = "timeout"
+    elif f.cancelled() or f.exception() is not None:
+      failure = "error"  # the engine failed this request (it logs why)
+    else:
+      results = f.result()
+    for c in range(n):
+      idx = pi * n + c
+      if results is None:
+        final = {"index": idx, "text": "", "token_ids": [], "logprobs": None,
+                 "finish_reason": failure, "policy_version": None, "policy_versions": []}
+        if req["return_routing"]:
+          final["routing"] = None
+        await send(final)
+        continue
+      comp = results[c]
+      rest = comp.text
+      if idx in texts:
+        try:
+          rest = texts[idx].finish(comp.text)
+        except ValueError:
+          log.error("choice %d of %s: streamed text is not a prefix of its text", idx, rid)
+          rest = ""
       final = {"index": idx, "text": rest, "token_ids": [], "logprobs": None,
-               "finish_reason": c.finish_reason,
-               "policy_version": c.policy_versions[-1] if c.policy_versions else None,
-               "policy_versions": c.policy_versions}
+               "finish_reason": comp.finish_reason,
+               "policy_version": comp.policy_versions[-1] if comp.policy_versions else None,
+               "policy_versions": comp.policy_versions}
       if req["return_routing"]:
-        final["routing"] = c.routing.tolist() if c.routing is not None else None
+        final["routing"] = comp.routing.tolist() if comp.routing is not None else None
       await send(final)
   await resp.write(b"data: [DONE]\n\n")
   await resp.write_eof()

@@ -1,0 +1,137 @@
+"""`rollout.detokenize.IncrementalText` against every tokenizer the sampler serves with.
+
+Property checked for many seeds: however a token sequence is cut into chunks, the pieces
+released concatenated with `finish`'s rest equal the completion's text exactly, and text is held
+back only while it is unsettled (a trailing U+FFFD, or the last characters a stop string could
+still reach into) -- a decoder that held everything until the end would fail too.
+"""
+
+import random
+import sys
+
+import pytest
+import tokenizers as hf_tokenizers
+import transformers
+
+from moe.tokenizer import ByteTokenizer
+from rollout import detokenize
+from rollout import tokenizers
+
+FFFD = detokenize.REPLACEMENT
+PIECES = ["a", "b", "é", "ü", "日本", "語", "🙂", "🎉", " ", " .", ".", ",", " ,", "isn't", " 's",
+          "\n", "ok", " !", "naïve"]
+
+
+@pytest.fixture(scope="module")
+def hf_tok(tmp_path_factory):
+  """A tiny GPT-2 style byte-level BPE, saved and loaded the way checkpoints ship one."""
+  tok = hf_tokenizers.Tokenizer(hf_tokenizers.models.BPE())
+  tok.pre_tokenizer = hf_tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = hf_tokenizers.decoders.ByteLevel()
+  trainer = hf_tokenizers.trainers.BpeTrainer(
+      vocab_size=400, special_tokens=["<eos>"],
+      initial_alphabet=hf_tokenizers.pre_tokenizers.ByteLevel.alphabet())
+  rng = random.Random(0)
+  tok.train_from_iterator(["".join(rng.choices(PIECES, k=40)) for _ in range(200)], trainer)
+  fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+  d = tmp_path_factory.mktemp("bpe")
+  fast.save_pretrained(str(d))
+  return tokenizers.HFTokenizer(str(d))
+
+
+def _tokenizer(name, hf_tok):
+  return {"bytes": ByteTokenizer(), "byte_level": tokenizers.ByteLevel(300), "hf_bpe": hf_tok}[name]
+
+
+def _random_ids(tok, rng, vocab_size):
+  """Encoded multi-byte text with random ids (invalid bytes, specials, split pieces) mixed in."""
+  ids = []
+  while len(ids) < 60:
+    if rng.random() < 0.7:
+      ids += tok.encode("".join(rng.choices(PIECES, k=rng.randint(1, 4))))
+    else:
+      ids += [rng.randrange(vocab_size) for _ in range(rng.randint(1, 3))]
+  return ids
+
+
+def _chunks(ids, rng):
+  i = 0
+  while i < len(ids):
+    k = rng.randint(1, 5)
+    yield ids[i:i + k]
+    i += k
+
+
+TOKENIZERS = ["bytes", "byte_level", "hf_bpe"]
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+@pytest.mark.parametrize("seed", range(40))
+def test_pieces_equal_the_final_text(name, seed, hf_tok):
+  tok = _tokenizer(name, hf_tok)
+  rng = random.Random(seed)
+  ids = _random_ids(tok, rng, tok.vocab_size)
+  inc = detokenize.IncrementalText(tok)
+  pieces, seen = [], []
+  for chunk in _chunks(ids, rng):
+    pieces.append(inc.push(chunk))
+    seen += chunk
+    # Released as soon as settled: everything but a trailing run of U+FFFD.
+    assert inc.sent == tok.decode(seen).rstrip(FFFD)
+  final = tok.decode(ids)
+  assert "".join(pieces) + inc.finish(final) == final
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+@pytest.mark.parametrize("seed", range(40))
+def test_pieces_equal_the_final_text_with_stop_strings(name, seed, hf_tok):
+  """The engine's rule (`Engine._check_stop_strings`): after each chunk it decodes all tokens;
+  the first stop string found ends the completion with the text before it. The chunk that ends
+  a completion is not pushed (the server sends the rest from the completion's text)."""
+  tok = _tokenizer(name, hf_tok)
+  rng = random.Random(1000 + seed)
+  ids = _random_ids(tok, rng, tok.vocab_size)
+  whole = tok.decode(ids)
+  stop = [whole[i:i + rng.randint(1, 4)] for i in rng.sample(range(len(whole)), 2)]
+  stop = [s for s in stop if s] or ["#"]
+  hold = max(len(s) for s in stop) - 1
+  inc = detokenize.IncrementalText(tok, stop)
+  pieces, seen, final = [], [], None
+  for chunk in _chunks(ids, rng):
+    seen += chunk
+    text = tok.decode(seen)
+    hits = [text.find(s) for s in stop if s in text]
+    if hits:
+      final = text[:min(hits)]
+      break
+    pieces.append(inc.push(chunk))
+    settled = text.rstrip(FFFD)
+    assert inc.sent == settled[:max(0, len(settled) - hold)]
+  if final is None:
+    final = tok.decode(ids)
+  assert "".join(pieces) + inc.finish(final) == final
+
+
+def test_a_split_character_is_held_until_complete():
+  inc = detokenize.IncrementalText(tokenizers.ByteLevel(300))
+  snowman = list("a☃b".encode())  # 61 e2 98 83 62
+  assert [inc.push([t]) for t in snowman] == ["a", "", "", "☃", "b"]
+  inc = detokenize.IncrementalText(tokenizers.ByteLevel(300))
+  # An invalid byte stays U+FFFD: released with the next settled character, or by finish.
+  assert inc.push([0xFF]) == "" and inc.push([0x61]) == FFFD + "a"
+  assert inc.push([0xE2]) == "" and inc.finish(FFFD + "a" + FFFD) == FFFD
+
+
+def test_a_decode_that_rewrites_released_text_is_reported():
+  class Rewriting:
+    def decode(self, ids):
+      return "ab" if len(ids) < 2 else "xb"
+
+  inc = detokenize.IncrementalText(Rewriting())
+  assert inc.push([1]) == "ab" and inc.push([2]) == ""
+  with pytest.raises(ValueError, match="not a prefix"):
+    inc.finish("xb")
+
+
+if __name__ == "__main__":
+  sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
