@@ -43,7 +43,10 @@ class WeightChannel:
     self.store = store_lib.Store(url)
     self.model_info = {} if model_cfg is None else {
         "model_config": moe_checkpoint.config_to_json(model_cfg)}
-    self.publisher = publisher_lib.Publisher(self.store, snapshot_every=snapshot_every)
+    # answer_requests_s: a sampler stuck behind a damaged delta asks for a snapshot; the learner
+    # may be idle (waiting for that sampler's data), so a thread answers (sync.publisher).
+    self.publisher = publisher_lib.Publisher(self.store, snapshot_every=snapshot_every,
+                                             answer_requests_s=0.5)
     self.reports = []
 
   def latest(self) -> Optional[int]:

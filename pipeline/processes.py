@@ -149,8 +149,14 @@ def wait_for_weights(store_url: str, timeout_s: float = 600.0):
 
 
 def run_sampler(workdir: str, *, port: int, max_slots: int = 64, max_len: int = 256,
-                sync_interval_s: float = 0.05) -> None:
-  """Serves the newest published weights over HTTP and follows new versions (blocking)."""
+                sync_interval_s: float = 0.05, stale_versions: int = 2,
+                stale_s: float = 60.0) -> None:
+  """Serves the newest published weights over HTTP and follows new versions (blocking).
+
+  `/health` answers 503 (naming the problem) when the weight-sync thread died or the served
+  weights have been more than `stale_versions` behind the published ones for over `stale_s`
+  seconds (sync.subscriber.Subscriber.health_problem).
+  """
   from moe.tokenizer import ByteTokenizer  # pylint: disable=g-import-not-at-top
   from pipeline.local import swap_into  # pylint: disable=g-import-not-at-top
   from rollout import server  # pylint: disable=g-import-not-at-top
@@ -163,12 +169,16 @@ def run_sampler(workdir: str, *, port: int, max_slots: int = 64, max_len: int = 
   engine = Engine.from_flat(flat, cfg, version=version, tokenizer=tok,
                             config=EngineConfig(max_slots=max_slots, max_len=max_len,
                                                 eos_token_ids=(tok.eos_id,)))
-  sub = subscriber_lib.Subscriber(store, swap_into(engine))
+  sub = subscriber_lib.Subscriber(store, swap_into(engine), name=f"sampler-{port}")
   sub.adopt(flat, version, publisher_lib.read_manifest(store, version).digest)
   stop = threading.Event()
-  threading.Thread(target=sub.run, args=(stop, sync_interval_s), daemon=True).start()
+  threading.Thread(target=sub.run, args=(stop, sync_interval_s), daemon=True,
+                   name="weight-sync").start()
+
+  def weight_sync():
+    return sub.health_problem(max_behind_versions=stale_versions, max_stale_s=stale_s)
   try:
-    server.serve(engine, port=port)
+    server.serve(engine, port=port, health_checks=[weight_sync])
   finally:
     stop.set()
     engine.stop()

@@ -1,0 +1,244 @@
+"""Weight-sync faults between the learner and a sampler (issue #17, items 2 and 3): a delta
+damaged in the store, a torn INDEX.json, and `/health` naming a sampler whose weights are stale.
+
+The sampler is the real one: a rollout Engine fed by a sync.Subscriber through
+pipeline.local.swap_into, in this process and as a `processes.run_sampler` child process; the
+learner's side is the real pipeline.local.WeightChannel (a sync.Publisher that answers snapshot
+requests). Faults are placed deterministically: a delta is damaged as it is written (the manifest
+keeps the good bytes' hash), the index is torn by writing half of it over the file.
+"""
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from moe import build
+from moe import params as moe_params
+from moe.tokenizer import ByteTokenizer
+from pipeline import local
+from pipeline import testing
+from rollout import server as server_lib
+from rollout.engine import Engine
+from sync import manifest as manifest_lib
+from sync import publisher as publisher_lib
+from sync import subscriber as subscriber_lib
+
+TIMEOUT_S = 300.0  # bound on each wait; the machine may be loaded, a hang still fails
+
+
+def _versions(n):
+  """n distinct flat weight sets of the tiny pipeline model (what the learner publishes)."""
+  return [moe_params.flatten(build.create(testing.MODEL, seed=s)) for s in range(n)]
+
+
+def _workdir_channel(tmp_path):
+  work = str(tmp_path / "work")
+  url = "file://" + os.path.join(os.path.abspath(work), "weights")
+  return work, local.WeightChannel(url, model_cfg=testing.MODEL)
+
+
+def _damage_when_written(store, version):
+  """Makes `store` damage `version`'s delta as it is written (one flipped byte), as a bad disk
+  or a broken copy would: the manifest still names the good bytes' size and hash."""
+  key = manifest_lib.delta_key(version)
+  put = store.put
+
+  def damaging(k, data):
+    if k == key:
+      data = data[:64] + bytes([data[64] ^ 1]) + data[65:]
+    put(k, data)
+  store.put = damaging
+
+
+def _tear_index(work):
+  path = os.path.join(work, "weights", manifest_lib.INDEX_KEY)
+  whole = open(path, "rb").read()
+  with open(path, "wb") as f:  # not atomic: what a half-done copy leaves
+    f.write(whole[:len(whole) // 2])
+
+
+def _until(cond, what, timeout=TIMEOUT_S):
+  """Polls cond() until it is true; fails naming `what` after `timeout` seconds."""
+  t0 = time.monotonic()
+  while True:
+    got = cond()
+    if got:
+      return got
+    assert time.monotonic() - t0 < timeout, f"timed out after {timeout:.0f} s waiting for {what}"
+    time.sleep(0.05)
+
+
+def _health(port):
+  """(status, body) of GET /health."""
+  try:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as r:
+      return r.status, json.loads(r.read())
+  except urllib.error.HTTPError as e:
+    return e.code, json.loads(e.read())
+
+
+class _InProcessSampler:
+  """An Engine + Subscriber (+ its sync thread once started) on the channel's store."""
+
+  def __init__(self, channel, flat0, **sub_kw):
+    self.engine = Engine.from_flat(flat0, testing.MODEL, config=testing.ENGINE, version=0,
+                                   tokenizer=ByteTokenizer())
+    self.sub = subscriber_lib.Subscriber(channel.store, local.swap_into(self.engine), **sub_kw)
+    self.sub.adopt(flat0, 0, publisher_lib.read_manifest(channel.store, 0).digest)
+    self.stop = threading.Event()
+    self.thread = threading.Thread(target=self.sub.run, args=(self.stop, 0.02),
+                                   kwargs={"max_backoff_s": 0.2}, daemon=True)
+
+  def close(self):
+    self.stop.set()
+    if self.thread.is_alive():
+      self.thread.join(timeout=60)
+    self.engine.stop()
+
+
+def test_in_process_sampler_gets_past_a_damaged_delta_and_a_torn_index(tmp_path):
+  work, channel = _workdir_channel(tmp_path)
+  ws = _versions(5)
+  channel.publish(ws[0], 0)
+  s = _InProcessSampler(channel, ws[0])
+  try:
+    # Item 2: delta 1 is damaged and no snapshot follows it (snapshot_every=20); the learner then
+    # publishes nothing (it waits for data). The sampler asks; the channel answers with a
+    # snapshot of version 2, and the engine serves version 2.
+    _damage_when_written(channel.store, 1)
+    channel.publish(ws[1], 1)
+    channel.publish(ws[2], 2)
+    s.thread.start()
+    _until(lambda: s.engine.version == 2, "the engine to reach version 2 past damaged delta 1")
+    r = s.sub.reports[-1]
+    assert r.fallback and r.skipped == ["delta 1"] and r.steps == [("snapshot", 2)]
+    assert s.sub.fallbacks == 1 and channel.publisher.requested_snapshots == 1
+    assert all((s.sub.weights[k] == ws[2][k]).all() for k in ws[2])
+    # Item 3: INDEX.json torn; polls fail and are retried, the thread stays up, and once the
+    # next publish rewrites the index the engine moves on.
+    errors = s.sub.errors
+    _tear_index(work)
+    _until(lambda: s.sub.errors > errors, "a poll to fail on the torn index")
+    assert s.thread.is_alive() and s.sub.thread_state == "running"
+    channel.publish(ws[3], 3)
+    _until(lambda: s.engine.version == 3, "the engine to reach version 3 after the tear")
+    assert s.sub.health_problem(max_behind_versions=0, max_stale_s=60) is None
+  finally:
+    s.close()
+    channel.publisher.close()
+
+
+class _LiveServer:
+  """A rollout Server on its own event loop thread, on a free port."""
+
+  def __init__(self, engine, **kw):
+    self.loop = asyncio.new_event_loop()
+    self.server = server_lib.Server(engine, **kw)
+    threading.Thread(target=self.loop.run_forever, daemon=True).start()
+    self.port, _ = asyncio.run_coroutine_threadsafe(
+        self.server.start("127.0.0.1", 0, None), self.loop).result(60)
+
+  def close(self):
+    asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(60)
+    self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def test_health_is_503_while_the_sampler_is_stale_beyond_the_bound(tmp_path):
+  work, channel = _workdir_channel(tmp_path)
+  ws = _versions(3)
+  channel.publish(ws[0], 0)
+  s = _InProcessSampler(channel, ws[0], request_snapshot=False)
+  live = _LiveServer(s.engine, health_checks=[
+      lambda: s.sub.health_problem(max_behind_versions=1, max_stale_s=0.0)])
+  try:
+    assert _health(live.port)[0] == 200
+    _damage_when_written(channel.store, 1)
+    channel.publish(ws[1], 1)
+    channel.publish(ws[2], 2)
+    with pytest.raises(subscriber_lib.SyncError):
+      s.sub.poll()  # stuck at 0 behind damaged delta 1 (and it only waits: no request)
+    status, body = _health(live.port)
+    assert status == 503 and body["policy_version"] == 0, body
+    assert any("serving version 0, 2 behind the published 2" in p for p in body["problems"])
+    # A snapshot past the damage (asked for by someone else) lets it catch up: healthy again.
+    publisher_lib.request_snapshot(channel.store, "operator", 1, "test")
+    _until(lambda: not channel.store.list(manifest_lib.SNAPSHOT_REQUESTS),
+           "the channel to answer the snapshot request")
+    assert s.sub.poll().version == 2
+    assert _health(live.port) == (200, {"status": "ok", "policy_version": 2})
+  finally:
+    live.close()
+    s.close()
+    channel.publisher.close()
+
+
+def _free_port():
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    return sock.getsockname()[1]
+
+
+def test_sampler_process_gets_past_a_damaged_delta_and_reports_a_torn_index(tmp_path):
+  """The same faults against a `run_sampler` child process, observed through its /health."""
+  work, channel = _workdir_channel(tmp_path)
+  ws = _versions(5)
+  channel.publish(ws[0], 0)
+  port = _free_port()
+  log_path = str(tmp_path / "sampler.log")
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+             PYTHONUNBUFFERED="1")
+  code = textwrap.dedent(f"""
+      import logging
+      logging.basicConfig(level=logging.WARNING)
+      from pipeline import processes
+      processes.run_sampler({work!r}, port={port}, max_slots=8, max_len=128,
+                            stale_versions=0, stale_s=1.0)
+      """)
+  with open(log_path, "w") as log_file:
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=log_file,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+  def version():
+    assert proc.poll() is None, "sampler exited:\n" + open(log_path).read()[-3000:]
+    try:
+      return _health(port)
+    except OSError:
+      return None
+
+  try:
+    _until(lambda: (version() or (0, {}))[1].get("policy_version") == 0, "the sampler to serve")
+    _damage_when_written(channel.store, 1)
+    channel.publish(ws[1], 1)
+    channel.publish(ws[2], 2)
+    _until(lambda: (version() or (0, {}))[1].get("policy_version") == 2,
+           "the sampler process to reach version 2 past damaged delta 1")
+    _tear_index(work)  # and it stays torn: /health must say the weights are going stale
+    status, body = _until(lambda: (lambda h: h if h and h[0] == 503 else None)(version()),
+                          "/health to answer 503 while the index is torn")
+    assert any("no weight index read succeeded" in p and "bad index" in p
+               for p in body["problems"]), body
+    channel.publish(ws[3], 3)  # rewrites the index whole: the sync thread is still there
+    _until(lambda: version() == (200, {"status": "ok", "policy_version": 3}),
+           "the sampler to serve version 3, healthy, after the tear")
+  finally:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    channel.publisher.close()
+  out = open(log_path).read()
+  assert "fell back to snapshot 2 to reach version 2" in out, out[-3000:]
+  assert "poll failed (ManifestError: bad index" in out, out[-3000:]
+
+
+if __name__ == "__main__":
+  sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
