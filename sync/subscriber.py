@@ -154,6 +154,7 @@ class Subscriber:
     self._asked = (None, 0.0)  # (past, monotonic time) of the last snapshot request
     self._seen_at = {}  # version -> monotonic time this subscriber first saw it published
     self._index_ok_at = time.monotonic()  # last successful index read (start: construction)
+    self._index_error = None  # why the index reads fail since then, if they do
 
   def adopt(self, flat: dict, version: int, digest: str) -> None:
     """Declares that the sampler already serves `flat` = published `version` (e.g. it was
@@ -206,7 +207,11 @@ class Subscriber:
         exists yet); the previous weights are still held (and served).
       manifest.ManifestError: the index stayed malformed through `read_index`'s retries.
     """
-    index = publisher.read_index(self.source)
+    try:
+      index = publisher.read_index(self.source)
+    except Exception as e:
+      self._index_error = f"{type(e).__name__}: {e}"
+      raise
     self._saw(index)
     if index.latest is None or index.latest == self.version == self._served:
       return None
@@ -258,7 +263,7 @@ class Subscriber:
   def _saw(self, index: manifest_lib.Index) -> None:
     """Records a successful index read and when each newly published version was first seen."""
     now = time.monotonic()
-    self._index_ok_at = now
+    self._index_ok_at, self._index_error = now, None
     if index.latest is not None:
       first = max(self.published if self.published is not None else -1,
                   self._served if self._served is not None else -1) + 1
@@ -299,7 +304,7 @@ class Subscriber:
                      max_stale_s: float = 60.0) -> str | None:
     """None if weight sync is fine, else a sentence saying what is wrong (for `/health`).
 
-    Wrong: the sync thread (`run`) died; no index read succeeded for over `max_stale_s`; or the
+    Wrong: the sync thread (`run`) died; index reads have failed for over `max_stale_s`; or the
     served version has been more than `max_behind_versions` behind the published one for over
     `max_stale_s` (counted from when the first version past that bound was seen published).
     """
@@ -309,9 +314,9 @@ class Subscriber:
       return None  # shut down on purpose
     now = time.monotonic()
     why = f" (last error: {self.last_error})" if self.last_error else ""
-    if now - self._index_ok_at > max_stale_s:
+    if self._index_error is not None and now - self._index_ok_at > max_stale_s:
       return (f"weight sync {self.name}: no weight index read succeeded for "
-              f"{now - self._index_ok_at:.0f} s{why}")
+              f"{now - self._index_ok_at:.0f} s ({self._index_error})")
     if self.published is None:
       return None
     served = -1 if self._served is None else self._served

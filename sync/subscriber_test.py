@@ -392,9 +392,17 @@ def test_health_problem_reports_stale_weights_and_a_dead_thread(tmp_path, monkey
   assert "last error" not in problem  # run() records errors; poll() alone does not
   assert sub.health_problem(max_behind_versions=3, max_stale_s=30) is None  # within bound
   assert st.list(manifest_lib.SNAPSHOT_REQUESTS) == []  # request_snapshot=False: only waits
-  clock.offset += 31  # and now no index read for 31 s
-  pub.publish(hist[5])
-  assert "no weight index read succeeded for 31 s" in sub.health_problem(1, max_stale_s=30)
+  path = os.path.join(str(tmp_path), manifest_lib.INDEX_KEY)
+  whole = open(path, "rb").read()
+  with open(path, "wb") as f:  # torn: every read fails for 31 s
+    f.write(whole[:len(whole) // 2])
+  with pytest.raises(manifest_lib.ManifestError):
+    sub.poll()
+  assert "behind" in sub.health_problem(1, max_stale_s=30)
+  clock.offset += 31
+  problem = sub.health_problem(1, max_stale_s=30)
+  assert "no weight index read succeeded for 31 s (ManifestError: bad index" in problem
+  pub.publish(hist[5])  # the index whole again
   publisher.request_snapshot(st, "other", 3, "test")
   pub.answer_requests()
   assert sub.poll().version == 5 and sub.health_problem(1, 30) is None
