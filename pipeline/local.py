@@ -87,10 +87,23 @@ def swap_into(engine):
 
 
 def group_sink(writer):
-  """The controller's sink: a group's episodes become visible to the learner as one shard."""
+  """The controller's sink: a group's episodes become visible to the learner as one shard.
+
+  Safe to call again with the same episodes after it raised (the controller retries failed
+  writes): episodes already handed to the writer stay in its buffer (TrajectoryWriter.write
+  buffers before it flushes, and a failed flush keeps the buffer), so a retry hands over only
+  the rest and flushes, and no record is written twice.
+  """
+  pending = {"episodes": None, "handed": 0}
+
   def sink(episodes):
-    writer.write_all(episodes)
+    if pending["episodes"] is not episodes:
+      pending.update(episodes=episodes, handed=0)
+    while pending["handed"] < len(episodes):
+      pending["handed"] += 1
+      writer.write(episodes[pending["handed"] - 1])
     writer.flush()
+    pending.update(episodes=None, handed=0)
   return sink
 
 

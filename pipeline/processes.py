@@ -195,7 +195,14 @@ def _model_config_of(store, version: int) -> ModelConfig:
 
 def run_controller(workdir: str, sampler_urls: Sequence[str], config: PipelineConfig, *,
                    steps: int, pool_size: int = 8, num_tasks: Optional[int] = None) -> int:
-  """Produces the groups of `steps` learner steps through the samplers; returns groups written."""
+  """Produces the groups of `steps` learner steps through the samplers; returns groups written.
+
+  A restarted controller resumes at the first group not on disk, with the task the seeded
+  order gives that group (RolloutController.resume checks the written records against that
+  order). It prints `controller summary {json}` (RolloutController.summary) when it ends, also
+  when it fails; a write that keeps failing raises controller.WriteFailed (rl_part reports it
+  and exits nonzero).
+  """
   from envs.sandbox import pool as pool_lib  # pylint: disable=g-import-not-at-top
   from envs.tasks import suite_pyfunc  # pylint: disable=g-import-not-at-top
   from pipeline import controller as controller_lib  # pylint: disable=g-import-not-at-top
@@ -205,23 +212,35 @@ def run_controller(workdir: str, sampler_urls: Sequence[str], config: PipelineCo
   p = paths(workdir)
   tasks = suite_pyfunc.split(suite_pyfunc.generate(), "train")[:num_tasks]
   os.makedirs(p["trajectories"], exist_ok=True)
-  done = sum(len(trajectory_io.read_shard(os.path.join(p["trajectories"], s)))
-             for s in trajectory_io.list_shards(p["trajectories"]))
-  if done % config.attempts:
-    raise ValueError(f"{done} records is not a whole number of groups of {config.attempts}")
+  written = []
+  for name in trajectory_io.list_shards(p["trajectories"]):
+    for rec in trajectory_io.read_shard(os.path.join(p["trajectories"], name)):
+      if rec is None:
+        raise ValueError(f"trajectory shard {name} has a corrupt record")
+      written.append(rec["group_id"])
   sampler_set = samplers_lib.SamplerSet(
       [samplers_lib.HttpSampler(u, name=u) for u in sampler_urls],
-      max_attempts=config.max_request_attempts)
+      max_attempts=config.max_request_attempts, max_lag=config.max_staleness)
   writer = trajectory_io.TrajectoryWriter(p["trajectories"], f"controller-{int(time.time())}",
                                           records_per_shard=config.attempts)
 
   pool = pool_lib.WarmPool(size=pool_size)
+  ctl = None
   try:
     ctl = controller_lib.RolloutController(
         tasks, sampler_set, pool, group_sink(writer), config=config,
+        sink_path=p["trajectories"],
         on_group=lambda g: print(f"group {g.index} {g.task_id} rewards {g.rewards}", flush=True))
-    ctl.groups_written = done // config.attempts
+    start = ctl.resume(written)
+    if start:
+      print(f"controller resumed at group {start}", flush=True)
     return ctl.run(steps)
   finally:
-    writer.close()
-    pool.close()
+    if ctl is not None:
+      print("controller summary " + json.dumps(ctl.summary()), flush=True)
+    try:
+      writer.close()  # empty unless a write failed: then this is one more try at that group
+    except OSError as e:  # the write error that stopped the run is already on its way out
+      log.error("closing the trajectory writer in %s failed: %r", p["trajectories"], e)
+    finally:
+      pool.close()

@@ -7,6 +7,11 @@ request to the live sampler with the least work in flight and, when a sampler fa
 (it died, its connection broke, it timed out), marks it dead and retries the request on another
 one, so no request is lost and none is answered twice. A request a sampler refuses as invalid
 (`RequestRejected`) is not retried: it is a bug in the request, and the controller stops on it.
+
+A dead sampler is not written off: it is probed again with doubling back-off (a restarted
+sampler process comes back at the same address) and rejoins once it is up and serves weights
+within the staleness bound of the newest version any sampler served, so a run does not go on at
+reduced capacity after a sampler restart, nor take samples from a sampler that is still behind.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import http.client
 import json
 import logging
 import threading
+import time
 import urllib.error
 import urllib.request
 from typing import Optional, Sequence
@@ -138,37 +144,111 @@ class SamplerSet:
   Args:
     samplers: EngineSampler / HttpSampler objects.
     max_attempts: tries per request in all (across samplers) before its future fails.
+    max_lag: a dead sampler rejoins only when it serves a version at most this many behind the
+      newest any sampler served (the pipeline's staleness bound).
+    probe_backoff_s: first wait before a dead sampler is probed again; it doubles after each
+      failed probe, up to `max_probe_backoff_s`, and starts over when the sampler dies again.
+    clock: monotonic seconds (tests pass a manual clock).
   """
 
-  def __init__(self, samplers: Sequence, *, max_attempts: int = 3):
+  def __init__(self, samplers: Sequence, *, max_attempts: int = 3, max_lag: int = 0,
+               probe_backoff_s: float = 0.5, max_probe_backoff_s: float = 30.0,
+               clock=time.monotonic):
     if not samplers:
       raise ValueError("SamplerSet needs at least one sampler")
+    if max_lag < 0 or probe_backoff_s <= 0 or max_probe_backoff_s < probe_backoff_s:
+      raise ValueError("SamplerSet: need max_lag >= 0 and 0 < probe_backoff_s <= "
+                       "max_probe_backoff_s")
     self.samplers = list(samplers)
     self.max_attempts = max_attempts
+    self.max_lag = max_lag
+    self.probe_backoff_s = probe_backoff_s
+    self.max_probe_backoff_s = max_probe_backoff_s
+    self._clock = clock
     self._lock = threading.Lock()
+    self._probing = threading.Lock()
     self._inflight = {id(s): 0 for s in self.samplers}
     self._dead: set[int] = set()
+    self._backoff: dict[int, float] = {}
+    self._probe_at: dict[int, float] = {}
+    self.newest_version: Optional[int] = None
     self.retries = 0
     self.failed_requests = 0
+    self.rejoins = 0
 
   def live(self) -> list:
     with self._lock:
       return [s for s in self.samplers if id(s) not in self._dead]
 
+  def dead(self) -> list:
+    with self._lock:
+      return [s for s in self.samplers if id(s) in self._dead]
+
   def mark_dead(self, sampler, why: str) -> None:
     with self._lock:
       if id(sampler) not in self._dead:
         self._dead.add(id(sampler))
-        log.warning("sampler %s is down (%s); its requests go elsewhere", sampler.name, why)
+        self._backoff[id(sampler)] = self.probe_backoff_s
+        self._probe_at[id(sampler)] = self._clock() + self.probe_backoff_s
+        log.warning("sampler %s is down (%s); its requests go elsewhere, and it is probed "
+                    "again in %.1fs", sampler.name, why, self.probe_backoff_s)
+
+  def _saw(self, version: int) -> None:
+    with self._lock:
+      if self.newest_version is None or version > self.newest_version:
+        self.newest_version = version
+
+  def probe_dead(self) -> list:
+    """Probes every dead sampler whose back-off has run out; returns those that rejoined.
+
+    A sampler rejoins when it answers and serves a version within `max_lag` of the newest;
+    otherwise its next probe waits twice as long (up to `max_probe_backoff_s`).
+    """
+    if not self._probing.acquire(blocking=False):
+      return []  # another thread is probing; one prober is enough
+    try:
+      now = self._clock()
+      with self._lock:
+        due = [s for s in self.samplers if id(s) in self._dead and self._probe_at[id(s)] <= now]
+      rejoined = []
+      for s in due:
+        try:
+          v = s.version() if s.alive() else None
+          why = "it does not answer" if v is None else None
+        except SamplerDown as e:
+          v, why = None, str(e)
+        with self._lock:
+          newest = self.newest_version
+          if v is not None and (newest is None or v >= newest - self.max_lag):
+            self._dead.discard(id(s))
+            self.rejoins += 1
+            rejoined.append(s)
+            log.warning("sampler %s is back (version %d, newest %s); it takes requests again",
+                        s.name, v, newest)
+            continue
+          if why is None:
+            why = f"it serves version {v}, more than {self.max_lag} behind the newest {newest}"
+          b = self._backoff[id(s)] = min(2 * self._backoff[id(s)], self.max_probe_backoff_s)
+          self._probe_at[id(s)] = self._clock() + b
+        log.info("sampler %s is still out (%s); next probe in %.1fs", s.name, why, b)
+      return rejoined
+    finally:
+      self._probing.release()
 
   def min_version(self) -> Optional[int]:
-    """The oldest policy version any live sampler serves (None if none is live)."""
+    """The oldest policy version any live sampler serves (None if none is live).
+
+    Probes the dead samplers first (see `probe_dead`), so a restarted one rejoins here.
+    """
+    self.probe_dead()
     versions = []
     for s in self.live():
       try:
         versions.append(s.version())
       except SamplerDown as e:
         self.mark_dead(s, str(e))
+    if versions:
+      self._saw(max(versions))
     return min(versions) if versions else None
 
   def _pick(self, exclude: set):
@@ -190,6 +270,8 @@ class SamplerSet:
 
     def attempt(n: int) -> None:
       s = self._pick(tried)
+      if s is None and self.probe_dead():
+        s = self._pick(tried)
       if s is None:
         self.failed_requests += 1
         result.set_exception(SamplerDown("no live sampler"))

@@ -91,5 +91,47 @@ def test_controller_stops_on_a_rejected_request_instead_of_masking_it(servers):
   assert not written  # nothing was written as if it were an infrastructure failure
 
 
+class _Clock:
+  def __init__(self):
+    self.t = 0.0
+
+  def __call__(self):
+    return self.t
+
+
+def test_a_dead_sampler_is_probed_with_back_off_and_rejoins_only_with_current_weights():
+  flat = moe_params.flatten(build.create(testing.MODEL, seed=0))
+  engines = [Engine.from_flat(flat, testing.MODEL, tokenizer=ByteTokenizer(),
+                              config=testing.ENGINE) for _ in range(2)]
+  a, b = (samplers_lib.EngineSampler(e, name) for e, name in zip(engines, "ab"))
+  clock = _Clock()
+  sset = samplers_lib.SamplerSet([a, b], max_lag=1, probe_backoff_s=1.0,
+                                 max_probe_backoff_s=3.0, clock=clock)
+  params = SamplingParams(n=2, max_tokens=4, temperature=1.0, seed=1, ignore_eos=True)
+  try:
+    engines[0].stop()  # sampler a dies; its request is retried on b
+    assert len(sset.submit([1, 2, 3], params, timeout=60).result(120)) == 2
+    assert sset.live() == [b] and sset.retries == 1
+    engines[1].swap_weights(flat, 3)
+    assert sset.min_version() == 3
+    engines[0].start()  # a is back, but still serves version 0: 3 behind, bound 1
+    assert sset.min_version() == 3 and sset.live() == [b]  # not probed before its back-off
+    clock.t = 1.0
+    assert sset.probe_dead() == [] and sset.live() == [b]  # probed: too far behind
+    clock.t = 2.9
+    assert sset.probe_dead() == []  # the next probe waits twice as long (until 3.0)
+    engines[0].swap_weights(flat, 2)  # within the bound of the newest (3)
+    assert sset.probe_dead() == []
+    clock.t = 3.0
+    assert sset.probe_dead() == [a] and sset.rejoins == 1
+    assert sset.min_version() == 2 and sset.live() == [a, b]
+    before = engines[0].stats["requests_total"]
+    assert len(sset.submit([1, 2, 3], params, timeout=60).result(120)) == 2
+    assert engines[0].stats["requests_total"] == before + 1  # idle tie: the first listed, a
+  finally:
+    for e in engines:
+      e.stop()
+
+
 if __name__ == "__main__":
   sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))

@@ -56,8 +56,13 @@ def main(argv=None) -> int:
       urls.append(s)
     if not urls:
       p.error("the controller needs --samplers")
-    processes.run_controller(args.workdir, urls, cfg.rl.pipeline, steps=steps,
-                             pool_size=cfg.sandbox_pool)
+    from pipeline import controller  # pylint: disable=g-import-not-at-top
+    try:
+      processes.run_controller(args.workdir, urls, cfg.rl.pipeline, steps=steps,
+                               pool_size=cfg.sandbox_pool)
+    except controller.WriteFailed as e:  # a clear stop, not a traceback: the operator's to fix
+      print(f"error: {e}", file=sys.stderr)
+      return 1
   return 0
 
 
