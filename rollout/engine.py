@@ -1,8 +1,9 @@
 """The sampling engine: continuous batching over fixed KV-cache slots, weight swaps in place.
 
 The engine is the serving thread, the weight swaps and the API; what runs where and with which
-shapes is `rollout.scheduler`'s, the cache it fills is `rollout.kv_cache`, and the device programs
-it calls are `rollout.device_programs`.
+shapes is `rollout.scheduler`'s, the cache it fills is `rollout.kv_cache`, the device programs
+it calls are `rollout.device_programs`, the per-slot tables they read are `rollout.slot_tables`,
+and turning tokens into results (stop strings, streams, Completions) is `rollout.outputs`.
 
 What:
   * `Engine(model, config=EngineConfig(...))` serves a `MoEDecoder` (or `Engine.from_flat`).
@@ -19,6 +20,10 @@ Design (see rollout/README.md for the measurements behind it):
     completions each take a slot and share one prefill (its KV is copied into the n slots).
   * One background thread owns the device state; it admits queued requests (prefill), runs
     `decode_steps`-step chunks, and hands tokens back. All other threads only enqueue.
+  * Failures stay with the request that caused them: a request whose values do not fit the slot
+    tables, whose prefill fails (a batch is retried one request at a time), or whose tokens fail
+    on the host fails alone. Only a failed decode call fails every request in flight: it cannot
+    be attributed, and request checks keep client input from causing one.
   * Deterministic mode fixes every shape (all slots, full cache length, dropless experts, fixed
     prefill rows), so a request's arithmetic never depends on what else is being served.
 """
@@ -41,9 +46,11 @@ from rollout import delta_swap
 from rollout import device_programs
 from rollout import forward
 from rollout import kv_cache
+from rollout import outputs
 from rollout import packed_weights
 from rollout import request_checks
 from rollout import scheduler
+from rollout import slot_tables
 from rollout.engine_types import (Completion, EngineConfig, EngineStopped, PreparedWeights,
                                   QueueFull, RequestHandle, Sample)
 from rollout.sampling import MAX_TOP_LOGPROBS, SamplingParams
@@ -89,14 +96,7 @@ class Engine:
     self._params = packed_weights.pack(flat, cfg, ec.dtype)
     self.version = version
     self._alloc_cache()
-    b = ec.max_slots
-    self._slots = {
-        "tok": np.zeros(b, np.int32), "pos": np.zeros(b, np.int32),
-        "remaining": np.zeros(b, np.int32), "active": np.zeros(b, bool),
-        "temp": np.ones(b, np.float32), "top_k": np.zeros(b, np.int32),
-        "top_p": np.ones(b, np.float32), "seed": np.zeros(b, np.uint32),
-        "sample": np.zeros(b, np.int32), "tindex": np.zeros(b, np.int32),
-        "stop": np.full((b, ec.max_stop_ids), -1, np.int32)}
+    self._slots = slot_tables.new_tables(ec.max_slots, ec.max_stop_ids)
     self._cv_lock = threading.Condition()
     self._sched = scheduler.Scheduler(ec, max_len, self._cv_lock)
     self._pending_swap = None
@@ -154,14 +154,20 @@ class Engine:
     Args:
       prompt_token_ids: the prompt (1 <= length, ids in the vocabulary).
       params: sampling settings.
-      timeout: seconds until the request is ended with finish_reason "timeout".
+      timeout: seconds (> 0; None or inf: none) until the request is ended with finish_reason
+        "timeout", queued or running. The engine thread checks between device calls, so the
+        answer comes at most one prefill or decode call after the deadline.
       on_tokens: called from the engine thread after each decode call as
         on_tokens(handle, sample_index, token_ids, logprobs) with the new tokens.
 
     Raises:
-      ValueError: bad prompt or settings (a clear message; nothing is queued).
+      ValueError: bad prompt, settings or timeout (a clear message; nothing is queued).
       QueueFull: the queue holds max_queue completions already.
       EngineStopped: the engine is not running.
+
+    A request the engine cannot run (a fault of the engine, logged) fails alone: its future
+    raises, and other requests are unaffected. Only a failed decode call, which cannot be
+    attributed to one request, fails every request in flight (see `_loop`).
     """
     handle = self._make_handle(prompt_token_ids, params, timeout, on_tokens)
     self._enqueue([handle])
@@ -174,6 +180,10 @@ class Engine:
 
     All or nothing: every prompt is checked first, and the batch is queued in one step (so the
     engine prefills it together) or not at all (ValueError / QueueFull / EngineStopped).
+
+    The batch is one submission for the scheduler's fairness (`rollout.scheduler`): waiting
+    submissions are admitted round-robin, so a large batch cannot hold every slot while a later,
+    small submission waits for all of it.
     """
     handles = [self._make_handle(p, params, timeout, on_tokens) for p in prompts]
     self._enqueue(handles)
@@ -183,6 +193,7 @@ class Engine:
     """Validates one request (ValueError with a clear message) and builds its handle."""
     prompt, stop_ids = request_checks.check_request(
         prompt_token_ids, params, self.model_config, self.config, self.max_len, self.tokenizer)
+    timeout = request_checks.check_timeout(timeout)
     if params.seed is None:
       params = dataclasses.replace(params, seed=int(self._rng.integers(0, 2**32)))
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -306,7 +317,7 @@ class Engine:
       recent = sum(n for _, n in self._tok_window)
       active = self._sched.num_running()
       return {**self.stats,
-              "queue_depth": len(self._sched.queue),
+              "queue_depth": self._sched.queue_depth(),
               "queued_completions": self._sched.queued_completions,
               "active_slots": active, "max_slots": self.config.max_slots,
               "batch_occupancy": active / self.config.max_slots,
@@ -335,7 +346,7 @@ class Engine:
         # Prefill first: fill every free slot before the next decode call, so a burst of
         # requests decodes as one batch instead of ramping up one prefill call per chunk.
         while self._admit():
-          pass
+          self._expire()  # each prefill call takes time: end what timed out meanwhile
         if self._sched.has_running():
           self._decode()
         if self._swap_followup is not None and swap is not None:
@@ -344,7 +355,12 @@ class Engine:
         # are in flight; an idle loop is not paused.
         busy = self._sched.has_running()
         last_chunk_end = time.perf_counter() if busy else None
-      except Exception as e:  # a bug must not hang callers: fail what is in flight, keep serving
+      except Exception as e:
+        # Failures that can be attributed to a request fail that request alone (`_prefill`,
+        # `_decode`'s host side). What reaches here cannot be: a failed decode call runs every
+        # slot at once, and may have consumed the donated cache. Request checks keep client input
+        # from causing one, so this is an engine fault; fail what is in flight (no caller hangs),
+        # start from a fresh cache and keep serving what is queued.
         log.exception("engine loop error")
         if self._swap_followup is not None:
           self._end_followup({})
@@ -434,77 +450,120 @@ class Engine:
     """
     batch, bucket = self._sched.take_prefill_batch()
     if batch:
-      self._prefill(batch, bucket)
+      try:
+        self._prefill(batch, bucket)
+      except Exception as e:  # they left the queue: answer them before the loop's handler
+        for h, _ in batch:
+          if not h.future.done():
+            self._fail_request(h, e)
+        raise
     return bool(batch)
 
+  def _fail_request(self, h: RequestHandle, err: BaseException) -> None:
+    """Ends one request with `err` (its future raises), freeing the slots it holds."""
+    log.error("request %d failed: %r", h.id, err)
+    for s in h.samples:
+      o = None if s.slot is None else self._sched.owner[s.slot]
+      if o is not None and o[0] is h:
+        self._free(s.slot)
+    if not h.future.done():
+      self.stats["failed_total"] += 1
+      h.future.set_exception(err)
+
+  def _cache_alive(self) -> bool:
+    """Whether the KV cache buffers still exist (a failed call may have consumed donated ones)."""
+    return not any(x.is_deleted() for x in (*self._ck, *self._cv))
+
   def _prefill(self, batch, length: int) -> None:
-    ec, cfg = self.config, self.model_config
-    rows = self._sched.prefill_rows(len(batch))
-    tokens = np.zeros((rows, length), np.int32)
-    lengths = np.ones(rows, np.int32)
-    b = ec.max_slots
-    dst = np.full(b, b, np.int32)
-    src = np.zeros(b, np.int32)
-    temp = np.ones(b, np.float32)
-    top_k = np.zeros(b, np.int32)
-    top_p = np.ones(b, np.float32)
-    seed = np.zeros(b, np.uint32)
-    sample = np.zeros(b, np.int32)
-    m = 0
-    for r, (h, slots) in enumerate(batch):
-      tokens[r, :len(h.prompt)] = h.prompt
-      lengths[r] = len(h.prompt)
-      for i, slot in enumerate(slots):
-        dst[m], src[m] = slot, r
-        temp[m], top_k[m], top_p[m] = h.params.temperature, h.params.top_k, h.params.top_p
-        seed[m], sample[m] = h.params.seed % 2**32, i
-        m += 1
-    caps = forward.capacity_tiers(rows * length, cfg, ec.capacity_factors, ec.deterministic)
-    top_n = MAX_TOP_LOGPROBS if any(h.params.logprobs for h, _ in batch) else 0
-    t0 = time.perf_counter()
+    """Prefills `batch` = [(handle, its slots)] and seeds their slots; failures stay per request.
+
+    A request whose values do not fit the slot tables fails alone, before the call. If the call
+    fails for several requests, each is retried alone, so only the one that fails again fails;
+    if the call consumed the cache, the running requests lost their KV and fail too.
+    """
+    ec = self.config
+    staged = []
+    for h, slots in batch:
+      try:
+        staged.append((h, slots, slot_tables.stage(
+            h, vocab_size=self.model_config.vocab_size, max_stop_ids=ec.max_stop_ids,
+            length=length)))
+      except Exception as e:
+        self._fail_request(h, e)
+    if not staged:
+      return
     try:
-      self._ck, self._cv, tok, lp, routing, top_lp, top_ids = device_programs.prefill_into_slots(
-          self._params, self._ck, self._cv, tokens, lengths, dst, src, temp, top_k, top_p, seed,
-          sample, cfg=cfg, caps=caps, top_n=top_n)
-      tok, lp, routing = np.asarray(tok), np.asarray(lp), np.asarray(routing)
-      top_lp, top_ids = np.asarray(top_lp), np.asarray(top_ids)
-    except Exception as e:  # these requests left the queue but own no slot yet: fail them here
-      for h, _ in batch:
-        h.future.set_exception(e)
-      raise
+      out = self._prefill_call(staged, length)
+    except Exception as e:
+      if not self._cache_alive():
+        log.exception("prefill call failed and consumed the KV cache")
+        self._fail_all(e)
+        for h, _, _ in staged:
+          self._fail_request(h, e)
+        self._alloc_cache()
+        return
+      if len(staged) == 1:
+        self._fail_request(staged[0][0], e)
+        return
+      log.warning("prefill of %d requests failed (%r); retrying one by one", len(staged), e)
+      for h, slots, _ in staged:
+        self._prefill([(h, slots)], length)
+      return
+    self._seed_slots(staged, out)
+
+  def _prefill_call(self, staged: list, length: int) -> tuple:
+    """One prefill device call for `staged` requests; its outputs on the host."""
+    ec, cfg = self.config, self.model_config
+    rows = self._sched.prefill_rows(len(staged))
+    a = slot_tables.prefill_arrays(staged, rows, length, ec.max_slots)
+    caps = forward.capacity_tiers(rows * length, cfg, ec.capacity_factors, ec.deterministic)
+    top_n = MAX_TOP_LOGPROBS if any(h.params.logprobs for h, _, _ in staged) else 0
+    t0 = time.perf_counter()
+    self._ck, self._cv, *out = device_programs.prefill_into_slots(
+        self._params, self._ck, self._cv, a["tokens"], a["lengths"], a["dst"], a["src"],
+        a["temp"], a["top_k"], a["top_p"], a["seed"], a["sample"], cfg=cfg, caps=caps,
+        top_n=top_n)
+    out = tuple(np.asarray(x) for x in out)
     self.stats["prefill_calls_total"] += 1
     self.stats["prefill_seconds_total"] += time.perf_counter() - t0
-    self.stats["prompt_tokens_total"] += int(lengths[:len(batch)].sum())
+    self.stats["prompt_tokens_total"] += int(a["lengths"][:len(staged)].sum())
+    return out
+
+  def _seed_slots(self, staged: list, out: tuple) -> None:
+    """Hands each prefilled request its first tokens and seeds its slots for decoding."""
+    tok, lp, routing, top_lp, top_ids = out
+    moe = self.model_config.num_moe_layers
     st = self._slots
     m = 0
-    for r, (h, slots) in enumerate(batch):
-      n_p = len(h.prompt)
-      h.prompt_routing = routing[:, r, :n_p - 1] if cfg.num_moe_layers else None
-      for i, slot in enumerate(slots):
-        s = h.samples[i]
-        s.slot = slot
-        self._sched.assign(slot, h, s)
-        st["temp"][slot], st["top_k"][slot] = h.params.temperature, h.params.top_k
-        st["top_p"][slot], st["seed"][slot] = h.params.top_p, h.params.seed % 2**32
-        st["sample"][slot] = i
-        st["stop"][slot] = -1
-        st["stop"][slot, :len(h.stop_ids)] = h.stop_ids
-        t = int(tok[m])
-        self._emit(h, s, [t], [float(lp[m])],
-                   [routing[:, r, n_p - 1]] if cfg.num_moe_layers else [None],
-                   top=[(top_ids[m], top_lp[m])])
-        m += 1
-        if s.finish_reason is not None:  # a stop string in the first token
-          continue
-        st["tok"][slot], st["pos"][slot] = t, n_p
-        st["remaining"][slot] = h.params.max_tokens - 1
-        st["tindex"][slot] = 1
-        st["active"][slot] = True
-        if t in h.stop_ids:
-          self._finish(slot, "stop")
-        elif h.params.max_tokens == 1:
-          self._finish(slot, "length")
-      self._flush_stream(h)
+    for r, (h, slots, v) in enumerate(staged):
+      first = m
+      m += len(slots)
+      try:
+        n_p = len(h.prompt)
+        h.prompt_routing = routing[:, r, :n_p - 1] if moe else None
+        for i, slot in enumerate(slots):
+          s = h.samples[i]
+          s.slot = slot
+          self._sched.assign(slot, h, s)
+          for k in ("temp", "top_k", "top_p", "seed", "stop"):
+            st[k][slot] = v[k]
+          st["sample"][slot] = v["samples"][i]
+          t = int(tok[first + i])
+          self._emit(h, s, [t], [float(lp[first + i])], [routing[:, r, n_p - 1]] if moe else [None],
+                     top=[(top_ids[first + i], top_lp[first + i])])
+          if s.finish_reason is not None:  # a stop string in the first token
+            continue
+          st["tok"][slot], st["pos"][slot] = t, n_p
+          st["remaining"][slot] = v["remaining"]
+          st["tindex"][slot] = 1
+          st["active"][slot] = True
+          if t in h.stop_ids:
+            self._finish(slot, "stop")
+          elif h.params.max_tokens == 1:
+            self._finish(slot, "length")
+        self._flush_stream(h)
+      except Exception as e:  # host-side handling of this request's tokens: fail it alone
+        self._fail_request(h, e)
 
   def _decode(self) -> None:
     ec, cfg = self.config, self.model_config
@@ -545,55 +604,41 @@ class Engine:
       self._tok_window.append((time.monotonic(), n_new))
     touched = {}
     for slot in owned:
-      steps = np.nonzero(valid[:, slot])[0]
+      if owner[slot] is None:  # its request failed at an earlier slot of this loop
+        continue
       h, s = owner[slot]
-      if len(steps):
-        self._emit(h, s, toks[steps, slot].tolist(), lps[steps, slot].tolist(),
-                   [routing[j, :, slot] if cfg.num_moe_layers else None for j in steps],
-                   version, [(outs["top_ids"][j, slot], outs["top_logprobs"][j, slot])
-                             for j in steps])
       touched[id(h)] = h
-      if owner[slot] is not None and not st["active"][slot]:
-        last = s.tokens[-1] if s.tokens else None
-        self._finish(slot, "stop" if last in h.stop_ids else "length")
+      try:
+        steps = np.nonzero(valid[:, slot])[0]
+        if len(steps):
+          self._emit(h, s, toks[steps, slot].tolist(), lps[steps, slot].tolist(),
+                     [routing[j, :, slot] if cfg.num_moe_layers else None for j in steps],
+                     version, [(outs["top_ids"][j, slot], outs["top_logprobs"][j, slot])
+                               for j in steps])
+        if owner[slot] is not None and not st["active"][slot]:
+          last = s.tokens[-1] if s.tokens else None
+          self._finish(slot, "stop" if last in h.stop_ids else "length")
+      except Exception as e:  # host-side handling of this request's tokens: fail it alone
+        self._fail_request(h, e)
     for h in touched.values():
-      self._flush_stream(h)
+      try:
+        self._flush_stream(h)
+      except Exception as e:
+        self._fail_request(h, e)
 
   def _emit(self, h: RequestHandle, s: Sample, tokens, logprobs, routing, version=None,
             top=None) -> None:
-    version = self.version if version is None else version
-    k = h.params.logprobs
-    if k:
-      s.top.extend({int(i): float(v) for i, v in zip(ids[:k], vals[:k])} for ids, vals in top)
-    s.tokens.extend(int(t) for t in tokens)
-    s.logprobs.extend(float(x) for x in logprobs)
-    s.routing.extend(routing)
-    s.versions.extend([version] * len(tokens))
+    outputs.append(h, s, tokens, logprobs, routing, self.version if version is None else version,
+                   top)
     if h.params.stop and s.slot is not None and self._sched.owner[s.slot] is not None:
-      self._check_stop_strings(h, s)
-
-  def _check_stop_strings(self, h: RequestHandle, s: Sample) -> None:
-    text = self.tokenizer.decode(s.tokens)
-    hits = [(text.find(x), x) for x in h.params.stop if x in text]
-    if not hits:
-      return
-    cut = min(i for i, _ in hits)
-    # Keep the shortest token prefix whose text reaches the stop string.
-    for j in range(1, len(s.tokens) + 1):
-      if len(self.tokenizer.decode(s.tokens[:j])) > cut:
-        break
-    for lst in (s.tokens, s.logprobs, s.routing, s.versions, s.top):
-      del lst[j:]
-    s.text = text[:cut]
-    self._finish(s.slot, "stop", text_done=True)
+      if outputs.cut_at_stop_string(h, s, self.tokenizer):
+        self._finish(s.slot, "stop", text_done=True)
 
   def _finish(self, slot: int, reason: str, text_done: bool = False) -> None:
     h, s = self._sched.owner[slot]
     s.finish_reason = reason
     if not text_done and self.tokenizer is not None:
-      toks = s.tokens[:-1] if (reason == "stop" and s.tokens and s.tokens[-1] in h.stop_ids) \
-          else s.tokens
-      s.text = self.tokenizer.decode(toks)
+      s.text = outputs.final_text(h, s, reason, self.tokenizer)
     self._free(slot)
     self._maybe_complete(h)
 
@@ -603,37 +648,11 @@ class Engine:
       self._complete(h)
 
   def _flush_stream(self, h: RequestHandle) -> None:
-    if h.on_tokens is None:
-      return
-    for s in h.samples:
-      sent = getattr(s, "_streamed", 0)
-      if len(s.tokens) > sent or (s.finish_reason is not None and not getattr(s, "_ended", False)):
-        try:
-          h.on_tokens(h, s.index, s.tokens[sent:], s.logprobs[sent:], s.finish_reason)
-        except Exception:  # a broken consumer must not stop the engine
-          log.exception("on_tokens callback failed")
-        s._streamed = len(s.tokens)
-        s._ended = s.finish_reason is not None
+    outputs.flush_stream(h)
 
   def _complete(self, h: RequestHandle) -> None:
     if h.future.done():
       return
-    cfg = self.model_config
-    out = []
-    for s in h.samples:
-      if s.finish_reason is None:
-        s.finish_reason = "cancelled"
-      if not s.text and self.tokenizer is not None and s.tokens and s.finish_reason != "stop":
-        s.text = self.tokenizer.decode(s.tokens)
-      routing = None
-      if cfg.num_moe_layers:
-        k = cfg.num_experts_per_tok
-        routing = (np.stack(s.routing, axis=1) if s.routing
-                   else np.zeros((cfg.num_moe_layers, 0, k), np.dtype(cfg.routing_dtype)))
-      out.append(Completion(token_ids=list(s.tokens), logprobs=list(s.logprobs), routing=routing,
-                            policy_versions=list(s.versions), finish_reason=s.finish_reason,
-                            text=s.text, prompt_routing=h.prompt_routing, index=s.index,
-                            top_logprobs=list(s.top) if h.params.logprobs else None))
+    out = outputs.completions(h, self.model_config, self.tokenizer)
     self.stats["completions_total"] += len(out)
     h.future.set_result(out)
-

@@ -3,6 +3,7 @@ handling and weight swaps (tiny model, few tokens). Tolerances: see rollout/test
 
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -336,6 +337,149 @@ def test_a_failing_device_call_fails_its_requests_and_the_engine_recovers(engine
     h.result(timeout=60)
   c = engine.generate(PROMPTS[1], max_tokens=8, temperature=0.0)[0]
   assert len(c.token_ids) == 8 and c.finish_reason == "length"
+
+
+
+def test_values_the_slot_tables_cannot_hold_are_refused_before_queueing(engine):
+  """top_k of 2**31 used to pass, overflow the int32 table on the engine thread, go unanswered
+  and fail every other request in flight; now it is a ValueError naming the field, at submit."""
+  before = engine.metrics()
+  with pytest.raises(ValueError, match="top_k"):
+    engine.submit(PROMPTS[0], SamplingParams(top_k=2**31))
+  with pytest.raises(ValueError, match="top_k"):
+    engine.generate(PROMPTS[0], max_tokens=2, top_k=2**40)
+  for bad in ({"temperature": 1e-40}, {"top_p": 1e-40}, {"seed": 2**64},
+              {"stop_token_ids": (2**31,)}, {"max_tokens": 2**31}):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+      engine.submit(PROMPTS[0], SamplingParams(**bad))
+  for timeout in (float("nan"), -1.0, 0):
+    with pytest.raises(ValueError, match="timeout"):
+      engine.submit(PROMPTS[0], SamplingParams(max_tokens=2), timeout=timeout)
+  after = engine.metrics()
+  assert after["queue_depth"] == 0
+  assert after.get("requests_total", 0) == before.get("requests_total", 0)
+  # top_k of the vocabulary size or more keeps every token: the same draws as top_k=0.
+  off = engine.generate(PROMPTS[0], max_tokens=6, seed=4)[0]
+  big = engine.generate(PROMPTS[0], max_tokens=6, seed=4, top_k=2**31 - 1)[0]
+  assert big.token_ids == off.token_ids
+
+
+def _batch_beside_a_running_request(engine, submit_batch):
+  """Runs a greedy request R and, while R is in flight, a batch `submit_batch()` queued so that
+  the engine prefills it in one call. Returns (R's completion, the batch's handles)."""
+  entered, go = threading.Event(), threading.Event()
+
+  def hold(*_):  # R's first tokens: the engine thread waits here until the batch is queued
+    entered.set()
+    go.wait(60)
+
+  running = engine.submit(PROMPTS[0], SamplingParams(max_tokens=16, temperature=0.0),
+                          on_tokens=hold)
+  try:
+    waiting.wait_event(entered, "the running request's first tokens")
+    handles = submit_batch()
+  finally:
+    go.set()
+  return running.result(timeout=120)[0], handles
+
+
+def test_a_request_failing_in_staging_or_prefill_fails_alone(engine, monkeypatch):
+  from rollout import device_programs
+  ref_running = engine.generate(PROMPTS[0], max_tokens=16, temperature=0.0)[0]
+  ref_good = engine.generate(PROMPTS[1], max_tokens=6, temperature=0.0)[0]
+  greedy = SamplingParams(max_tokens=6, temperature=0.0)
+
+  # 1. Staging: a request built around the checks (top_k set past int32 after construction)
+  # fails alone; the one prefilled beside it and the one running are unaffected.
+  unchecked = SamplingParams(max_tokens=6, temperature=0.5, top_k=5, seed=1)
+  object.__setattr__(unchecked, "top_k", 2**31)
+  calls_before = engine.stats["prefill_calls_total"]
+  running, (bad, good) = _batch_beside_a_running_request(
+      engine, lambda: [engine.submit(PROMPTS[3], unchecked), engine.submit(PROMPTS[1], greedy)])
+  with pytest.raises(ValueError, match="top_k"):
+    bad.result(timeout=120)
+  assert good.result(timeout=120)[0].token_ids == ref_good.token_ids
+  assert running.token_ids == ref_running.token_ids and running.finish_reason == "length"
+  assert engine.stats["prefill_calls_total"] == calls_before + 2  # R, then good alone
+
+  # 2. The prefill call fails for a batch of two: each is retried alone, and only the prompt
+  # that makes the call fail fails.
+  real = device_programs.prefill_into_slots
+  culprit_prompt = [251, 9, 9, 9]
+
+  def failing_for_culprit(params, ck, cv, tokens, *a, **kw):
+    if (np.asarray(tokens)[:, 0] == culprit_prompt[0]).any():
+      raise RuntimeError("injected prefill failure")
+    return real(params, ck, cv, tokens, *a, **kw)
+
+  monkeypatch.setattr(device_programs, "prefill_into_slots", failing_for_culprit)
+  running, handles = _batch_beside_a_running_request(
+      engine, lambda: engine.submit_batch([culprit_prompt, PROMPTS[1]], greedy))
+  with pytest.raises(RuntimeError, match="injected prefill failure"):
+    handles[0].result(timeout=120)
+  assert handles[1].result(timeout=120)[0].token_ids == ref_good.token_ids
+  assert running.token_ids == ref_running.token_ids and running.finish_reason == "length"
+  monkeypatch.undo()
+  assert engine.generate(PROMPTS[1], max_tokens=6, temperature=0.0)[0].token_ids == \
+      ref_good.token_ids
+
+
+def test_a_small_request_is_not_starved_by_a_huge_one(model):
+  """40 prompts in one submit_batch hold all 4 slots with 36 more queued; a 4-token request that
+  comes after them is admitted as soon as slots free (round-robin across submissions) and
+  finishes while most of the huge batch still waits. In arrival order it finished after 36."""
+  eng = Engine(model, config=EngineConfig(max_slots=4, max_len=64, decode_steps=4,
+                                          max_queue=64))
+  try:
+    entered, go = threading.Event(), threading.Event()
+
+    def hold(*_):
+      entered.set()
+      go.wait(60)
+
+    huge = eng.submit_batch([[20 + i, 3, 4, 5, 6] for i in range(40)],
+                            SamplingParams(max_tokens=8, temperature=0.0), on_tokens=hold)
+    try:
+      waiting.wait_event(entered, "the huge batch's first tokens")
+      assert eng.metrics()["queue_depth"] == 36  # 4 taken for the first prefill
+      small = eng.submit(PROMPTS[1], SamplingParams(max_tokens=4, temperature=0.0))
+      huge_done_then = []
+      small.future.add_done_callback(
+          lambda _: huge_done_then.append(sum(h.done() for h in huge)))
+    finally:
+      go.set()
+    c = small.result(timeout=120)[0]
+    assert len(c.token_ids) == 4 and c.finish_reason == "length"
+    assert huge_done_then[0] <= 8, huge_done_then  # the first wave of 4, at most one more
+    for h in huge:
+      assert len(h.result(timeout=300)[0].token_ids) == 8
+  finally:
+    eng.stop()
+
+
+def test_a_queued_request_times_out_while_long_work_runs(engine):
+  """A request queued behind one that holds every slot is answered "timeout" at its deadline,
+  long before that work ends (the engine thread is held until the deadline has passed)."""
+  entered, go = threading.Event(), threading.Event()
+
+  def hold(*_):
+    entered.set()
+    go.wait(60)
+
+  busy = engine.submit(PROMPTS[0], SamplingParams(n=4, max_tokens=40, ignore_eos=True),
+                       on_tokens=hold)
+  try:
+    waiting.wait_event(entered, "the busy request's first tokens")
+    queued = engine.submit(PROMPTS[1], SamplingParams(max_tokens=4), timeout=0.05)
+    busy_tokens_then = []
+    queued.future.add_done_callback(
+        lambda _: busy_tokens_then.append(len(busy.samples[0].tokens)))
+    waiting.wait_until(lambda: time.monotonic() > queued.deadline, "the queued deadline")
+  finally:
+    go.set()
+  assert [c.finish_reason for c in queued.result(timeout=60)] == ["timeout"]
+  assert busy_tokens_then[0] < 40  # answered while the long request still ran
+  assert all(len(c.token_ids) == 40 for c in busy.result(timeout=120))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ and keeps serving. Split from `rollout.engine` so the serving loop reads on its 
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 from moe.config import ModelConfig
@@ -20,9 +21,11 @@ def check_prompt(prompt_token_ids, params: SamplingParams, cfg: ModelConfig, ec:
   """The prompt as ints in the vocabulary that, with max_tokens, fits the context."""
   if not isinstance(params, SamplingParams):
     raise TypeError("params must be a rollout.sampling.SamplingParams")
+  if isinstance(prompt_token_ids, (str, bytes, dict)):
+    raise ValueError("prompt_token_ids must be a sequence of integers")
   try:
     prompt = [int(t) for t in prompt_token_ids]
-  except (TypeError, ValueError):
+  except (TypeError, ValueError, OverflowError):  # OverflowError: int(inf)
     raise ValueError("prompt_token_ids must be a sequence of integers") from None
   if any(isinstance(t, bool) or t != int(t) for t in prompt_token_ids):
     raise ValueError("prompt_token_ids must be integers")
@@ -41,9 +44,31 @@ def check_prompt(prompt_token_ids, params: SamplingParams, cfg: ModelConfig, ec:
   return prompt
 
 
+def check_timeout(timeout) -> Optional[float]:
+  """The request timeout in seconds (None: none), or ValueError.
+
+  A NaN deadline would never pass and a negative one would end the request before it ran, so
+  both are refused; infinity means no timeout.
+  """
+  if timeout is None:
+    return None
+  if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+    raise ValueError(f"timeout must be a number of seconds, got {type(timeout).__name__}")
+  if isinstance(timeout, int) and timeout > 10**9:
+    return None  # beyond any server's lifetime (and float(int) could overflow)
+  if not timeout > 0:  # also refuses NaN
+    raise ValueError(f"timeout must be a positive number of seconds, got {timeout}")
+  return None if math.isinf(timeout) else float(timeout)
+
+
 def check_request(prompt_token_ids: Sequence[int], params: SamplingParams, cfg: ModelConfig,
                   ec: EngineConfig, max_len: int, tokenizer: Optional[object]) -> tuple:
-  """Returns (prompt list, stop token ids tuple) or raises ValueError / TypeError."""
+  """Returns (prompt list, stop token ids tuple) or raises ValueError / TypeError.
+
+  Together with `SamplingParams`' own checks, every value the engine stages into its int32 /
+  float32 / uint32 slot tables is in range after this, so client input cannot make the engine
+  thread fail.
+  """
   prompt = check_prompt(prompt_token_ids, params, cfg, ec, max_len)
   stop_ids = tuple(sorted(set(params.stop_token_ids) | (
       set() if params.ignore_eos else set(ec.eos_token_ids))))

@@ -1,10 +1,12 @@
 """Tests for rollout.request_checks: what a request must satisfy before it is queued."""
 
+import sys
+
 import pytest
 
 from moe.config import ModelConfig
 from rollout.engine_types import EngineConfig
-from rollout.request_checks import check_request
+from rollout.request_checks import check_request, check_timeout
 from rollout.sampling import SamplingParams
 
 CFG = ModelConfig(vocab_size=100, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
@@ -32,6 +34,8 @@ def test_ignore_eos_leaves_only_the_requests_stop_ids():
     ("ab", {}, "sequence of integers"),
     ([1.5], {}, "must be integers"),
     ([True], {}, "must be integers"),
+    ([float("inf")], {}, "sequence of integers"),
+    ({1: 2}, {}, "sequence of integers"),
     ([100], {}, "token id 100 at prompt position 0 is outside the vocabulary"),
     ([-1], {}, "outside the vocabulary"),
     ([1] * 30, {"max_tokens": 3}, "exceeds the context length 32"),
@@ -49,3 +53,15 @@ def test_bad_requests_get_a_clear_message(prompt, params, message):
 def test_params_must_be_sampling_params():
   with pytest.raises(TypeError, match="SamplingParams"):
     check_request([1], {"max_tokens": 1}, CFG, EC, 32, None)
+
+
+def test_timeouts_are_positive_seconds_or_none():
+  assert check_timeout(None) is None and check_timeout(2) == 2.0
+  assert check_timeout(float("inf")) is None and check_timeout(10**400) is None
+  for bad in (float("nan"), 0, -1.0, "5", True):
+    with pytest.raises(ValueError, match="timeout"):
+      check_timeout(bad)
+
+
+if __name__ == "__main__":
+  sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))

@@ -21,28 +21,54 @@ Why this shape:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _BISECT = 30
 MAX_TOP_LOGPROBS = 5
 
 
+# The engine stages every setting into a per-slot device table (rollout.engine): n, max_tokens,
+# top_k, logprobs and stop ids into int32, temperature and top_p into float32, seeds into uint32.
+# A value those tables cannot hold is refused here, with the field's name, so that it never
+# reaches the engine thread.
+INT32_MAX = 2**31 - 1
+# Below this a temperature divides logits past float32's range (inf, then NaN probabilities).
+MIN_TEMPERATURE = 1e-6
+MAX_TEMPERATURE = 100.0
+# The smallest normal float32: a smaller top_p rounds to 0 on device and keeps no token at all.
+MIN_TOP_P = float(np.finfo(np.float32).tiny)
+SEED_RANGE = (-2**63, 2**64)  # any 64-bit seed, signed or not; reduced mod 2**32 on device
+
+
+def _is_int(v) -> bool:
+  return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-  """Per-request sampling settings (validated on construction).
+  """Per-request sampling settings (validated on construction: ValueError naming the field).
 
   Attributes:
-    n: completions per prompt (they share the prompt's prefill).
-    max_tokens: most tokens to generate per completion (>= 1).
-    temperature: 0 = greedy; otherwise > 0.
-    top_p: nucleus mass in (0, 1]; 1 = off.
-    top_k: keep the k most likely tokens; 0 = off.
-    stop_token_ids: token ids that end a completion (the stop token is returned with its logprob).
-    stop: strings that end a completion (checked on decoded text; excluded from `text`).
-    seed: makes sampling reproducible; None draws a random seed.
+    n: completions per prompt (they share the prompt's prefill); 1..2**31-1 (the engine also
+      bounds it by its slots).
+    max_tokens: most tokens to generate per completion; 1..2**31-1 (the engine also bounds it by
+      its context length).
+    temperature: 0 = greedy; otherwise in [MIN_TEMPERATURE, MAX_TEMPERATURE].
+    top_p: nucleus mass in [MIN_TOP_P, 1] (float32's smallest normal number); 1 = off.
+    top_k: keep the k most likely tokens; 0 = off; at most 2**31-1 (int32). A top_k of the
+      vocabulary size or more keeps every token, the same as 0.
+    stop_token_ids: token ids that end a completion (the stop token is returned with its
+      logprob); a tuple or list of non-negative ints (stored as a tuple; the engine checks them
+      against its vocabulary).
+    stop: strings that end a completion (checked on decoded text; excluded from `text`); a tuple
+      or list of non-empty strings (stored as a tuple).
+    seed: makes sampling reproducible; None draws a random seed. Any integer in
+      [-2**63, 2**64); the device uses seed mod 2**32.
     ignore_eos: do not add the engine's default end-of-sequence ids to stop_token_ids.
     logprobs: also return this many most likely alternatives per token (0..MAX_TOP_LOGPROBS).
   """
@@ -61,27 +87,49 @@ class SamplingParams:
     def need(cond, msg):
       if not cond:
         raise ValueError(msg)
-    for name in ("n", "max_tokens", "top_k", "logprobs"):
+    for name, lo, hi in (("n", 1, INT32_MAX), ("max_tokens", 1, INT32_MAX),
+                         ("top_k", 0, INT32_MAX), ("logprobs", 0, MAX_TOP_LOGPROBS)):
       v = getattr(self, name)
-      need(isinstance(v, int) and not isinstance(v, bool), f"{name} must be an integer, got {v!r}")
-    need(self.n >= 1, f"n must be >= 1, got {self.n}")
-    need(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
-    need(self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}")
-    need(0 <= self.logprobs <= MAX_TOP_LOGPROBS,
-         f"logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+      need(_is_int(v), f"{name} must be an integer, got {_short(v)}")
+      need(lo <= v <= hi, f"{name} must lie in [{lo}, {hi}], got {_short(v)}")
+      object.__setattr__(self, name, int(v))
     for name in ("temperature", "top_p"):
       v = getattr(self, name)
-      need(isinstance(v, (int, float)) and not isinstance(v, bool) and v == v,
-           f"{name} must be a number, got {v!r}")
-    need(0 <= self.temperature <= 100, f"temperature must lie in [0, 100], got {self.temperature}")
-    need(0 < self.top_p <= 1, f"top_p must lie in (0, 1], got {self.top_p}")
-    need(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
-         f"seed must be an integer, got {self.seed!r}")
+      need((isinstance(v, (float, np.floating)) or _is_int(v)) and not isinstance(v, bool),
+           f"{name} must be a number, got {_short(v)}")
+      need(abs(v) <= 2**64 if _is_int(v) else math.isfinite(v),
+           f"{name} must be a finite number in range, got {_short(v)}")
+      object.__setattr__(self, name, float(v))
+    need(self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE,
+         f"temperature must be 0 (greedy) or lie in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], "
+         f"got {self.temperature}")
+    need(MIN_TOP_P <= self.top_p <= 1, f"top_p must lie in (0, 1] (at least {MIN_TOP_P:.3g}), "
+         f"got {self.top_p}")
+    if self.seed is not None:
+      need(_is_int(self.seed), f"seed must be an integer, got {_short(self.seed)}")
+      need(SEED_RANGE[0] <= self.seed < SEED_RANGE[1],
+           f"seed must lie in [-2**63, 2**64), got {_short(self.seed)}")
+      object.__setattr__(self, "seed", int(self.seed))
+    need(isinstance(self.ignore_eos, (bool, np.bool_)),
+         f"ignore_eos must be a boolean, got {_short(self.ignore_eos)}")
+    for name in ("stop_token_ids", "stop"):
+      v = getattr(self, name)
+      need(isinstance(v, (tuple, list)), f"{name} must be a tuple or list, got {_short(v)}")
+      object.__setattr__(self, name, tuple(v))
     for t in self.stop_token_ids:
-      need(isinstance(t, int) and not isinstance(t, bool) and t >= 0,
-           f"stop_token_ids must be non-negative integers, got {t!r}")
+      need(_is_int(t) and 0 <= t <= INT32_MAX,
+           f"stop_token_ids must be integers in [0, {INT32_MAX}], got {_short(t)}")
+    object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
     for s in self.stop:
-      need(isinstance(s, str) and s, f"stop must be non-empty strings, got {s!r}")
+      need(isinstance(s, str) and s, f"stop must be non-empty strings, got {_short(s)}")
+
+
+def _short(v, limit: int = 40) -> str:
+  """repr(v) cut to `limit` characters, so an error message never echoes a huge value."""
+  if _is_int(v) and abs(v) >= 10**limit:  # repr of a huge int is slow and long
+    return f"an integer of about {int(v).bit_length() * 0.30103:.0f} digits"
+  r = repr(v)
+  return r if len(r) <= limit else r[:limit - 3] + "..."
 
 
 def _largest_threshold(values, target, measure):

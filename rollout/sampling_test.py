@@ -125,5 +125,32 @@ def test_sampling_params_validation():
     sampling.SamplingParams(max_tokens=2.5)
 
 
+
+@pytest.mark.parametrize("field,value", [
+    ("top_k", 2**31), ("top_k", -1), ("max_tokens", 2**31), ("n", 2**31), ("logprobs", 6),
+    ("temperature", 1e-40), ("temperature", float("inf")), ("temperature", float("nan")),
+    ("temperature", 10**400), ("temperature", True), ("top_p", 1e-40), ("top_p", float("nan")),
+    ("top_p", 1.5), ("seed", 2**64), ("seed", -2**63 - 1), ("seed", 10**5000), ("seed", 1.0),
+    ("stop_token_ids", (2**31,)), ("stop_token_ids", (True,)), ("stop_token_ids", {}),
+    ("stop_token_ids", False), ("stop_token_ids", 0), ("stop", "\n"), ("stop", ("",)),
+    ("ignore_eos", 1), ("top_k", 2.0)], ids=lambda v: v if isinstance(v, str) else type(v).__name__)
+def test_values_the_engine_tables_cannot_hold_are_refused_naming_the_field(field, value):
+  """Every numeric setting must fit the engine's int32 / float32 / uint32 slot tables (a top_k of
+  2**31 used to pass and overflow them on the engine thread); the message names the field and
+  stays short whatever the value."""
+  with pytest.raises(ValueError, match=field) as e:
+    sampling.SamplingParams(**{field: value})
+  assert len(str(e.value)) < 200
+
+
+def test_largest_values_that_fit_are_accepted_and_sequences_become_tuples():
+  p = sampling.SamplingParams(top_k=2**31 - 1, max_tokens=2**31 - 1, seed=2**64 - 1,
+                              temperature=sampling.MIN_TEMPERATURE, top_p=sampling.MIN_TOP_P,
+                              stop_token_ids=[3, 2**31 - 1], stop=["a"])
+  assert p.stop_token_ids == (3, 2**31 - 1) and p.stop == ("a",)
+  assert sampling.SamplingParams(seed=-2**63, temperature=0, top_p=1).seed == -2**63
+  hash(p)  # hashable: lists were stored as tuples
+
+
 if __name__ == "__main__":
   sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))

@@ -2,17 +2,29 @@
 
 What: `Scheduler` decides which request runs in which KV-cache slot and with which shapes; the
 engine thread (`rollout.engine`) makes the device calls and hands tokens back.
-  * The queue holds requests waiting for slots, in arrival order. `enqueue` takes a batch all
-    or nothing and bounds the queue by `max_queue` completions (`QueueFull`).
+  * The queue holds requests waiting for slots as submissions: one `enqueue` call (one
+    `Engine.submit` or `Engine.submit_batch`) is one submission, its requests in order.
+    `enqueue` takes a batch all or nothing and bounds the queue by `max_queue` completions
+    (`QueueFull`).
   * `owner[slot]` is the (request, sample) generating in that slot, or None. A request's n
     completions take n slots at once: they share one prefill.
-  * Admission (`take_prefill_batch`) moves queued requests, in order, into the free slots,
-    lowest first, for one prefill call: prompts of one length bucket, up to `prefill_rows`.
+  * Admission (`take_prefill_batch`) moves queued requests into the free slots, lowest first,
+    for one prefill call: prompts of one length bucket, up to `prefill_rows`, taken round-robin
+    across submissions (below).
   * Expiry (`expired_queued`, `expired_slots`): requests cancelled or past their deadline.
   * Buckets: prompt length (`prompt_bucket`), prefill rows (`prefill_rows`) and a decode call's
     batch and attended length (`decode_shape`) are powers of two or multiples of
     `length_bucket`, so a running server compiles a fixed, small set of shapes. Deterministic
     mode fixes every shape, so a row's arithmetic never depends on what else is served.
+
+Why round-robin across submissions: the unit of fairness is a submission, not a prompt. Taken in
+arrival order, one submission of 4,000 prompts held every slot until all of them had run, and a
+4-token request that came after it waited for all of them. Round-robin admits the head of each
+waiting submission in turn, so a new submission is admitted within about one decode call of a
+slot freeing, however much a big one still has queued. The submission whose turn it is is not
+overtaken when its head needs more slots than are free (its n completions take n slots at once):
+nothing is admitted until they are free, so a large-n request cannot be starved by small ones.
+A burst of single-prompt submissions is still prefilled together (one prompt from each).
 
 Why lowest-first: the active slots then form a prefix, and a decode call runs on the smallest
 power-of-two batch covering them (`rollout.kv_cache`, `window`).
@@ -57,46 +69,65 @@ class Scheduler:
     self.config = config
     self.max_len = max_len
     self.lock = lock
-    self.queue: collections.deque = collections.deque()
+    # The waiting submissions, each a deque of its requests, in turn order (the front's turn is
+    # next); an emptied submission is dropped.
+    self._groups: collections.deque = collections.deque()
     self.queued_completions = 0
     self.owner: list = [None] * config.max_slots  # (handle, sample) per slot
 
   # ------------------------------------------------------------------ queue
+  @property
+  def queue(self) -> list:
+    """The waiting requests: each submission's in order, submissions in turn order."""
+    with self.lock:
+      return [h for g in self._groups for h in g]
+
+  def queue_depth(self) -> int:
+    """How many requests wait (a request of n completions counts once)."""
+    with self.lock:
+      return sum(len(g) for g in self._groups)
+
   def enqueue(self, handles: Sequence[RequestHandle]) -> None:
-    """Queues all of `handles` in one step, or none (QueueFull: max_queue would be exceeded)."""
+    """Queues `handles` as one submission, all in one step, or none (QueueFull: max_queue would
+    be exceeded)."""
     need = sum(h.params.n for h in handles)
     with self.lock:
       if self.queued_completions + need > self.config.max_queue:
         raise QueueFull(f"queue full ({self.queued_completions} completions waiting)")
-      self.queue.extend(handles)
+      if handles:
+        self._groups.append(collections.deque(handles))
       self.queued_completions += need
 
   def drain(self) -> list:
     """Empties the queue; returns what it held."""
     with self.lock:
-      queued = list(self.queue)
-      self.queue.clear()
+      queued = [h for g in self._groups for h in g]
+      self._groups.clear()
       self.queued_completions = 0
     return queued
 
   def has_work(self) -> bool:
     """Whether anything is queued or running."""
     with self.lock:
-      return bool(self.queue) or self.has_running()
+      return bool(self._groups) or self.has_running()
 
   def expired_queued(self, now: float) -> list:
     """Removes cancelled and timed-out requests from the queue: [(handle, reason)]."""
+    ended = []
     with self.lock:
-      keep = collections.deque()
-      ended = []
-      for h in self.queue:
-        r = end_reason(h, now)
-        if r is None:
-          keep.append(h)
-        else:
-          ended.append((h, r))
-          self.queued_completions -= h.params.n
-      self.queue = keep
+      groups = collections.deque()
+      for g in self._groups:
+        keep = collections.deque()
+        for h in g:
+          r = end_reason(h, now)
+          if r is None:
+            keep.append(h)
+          else:
+            ended.append((h, r))
+            self.queued_completions -= h.params.n
+        if keep:
+          groups.append(keep)
+      self._groups = groups
     return ended
 
   # ------------------------------------------------------------------ slots
@@ -130,8 +161,12 @@ class Scheduler:
   def take_prefill_batch(self) -> tuple:
     """Takes the queued requests for one prefill call and the free slots they will own.
 
-    From the head of the queue, while the prompts share one length bucket, fit `prefill_rows`
-    and every one of a request's n completions gets a free slot (lowest first).
+    Round-robin over the waiting submissions in turn order: each pass takes the head of every
+    submission whose prompt is in the call's length bucket (the first one taken sets it) and
+    whose n completions all get a free slot (lowest first); passes repeat until `prefill_rows`
+    prompts are taken or a pass takes none. If the submission whose turn it is does not fit, the
+    call takes nothing (see the module docstring). Submissions taken from move to the back of the
+    turn order, in the order last taken; the others keep their places ahead of them.
 
     Returns:
       ([(handle, [slot] * n)], length bucket), or ([], None) when nothing fits.
@@ -140,21 +175,34 @@ class Scheduler:
     free = [i for i, o in enumerate(self.owner) if o is None]
     if not free:
       return [], None
-    batch, used = [], 0
+    batch, used, bucket = [], 0, None
     with self.lock:
-      bucket = None
-      while self.queue and len(batch) < ec.prefill_rows:
-        h = self.queue[0]
-        lb = self.prompt_bucket(len(h.prompt))
-        if bucket is not None and lb != bucket:
-          break
-        if h.params.n > len(free) - used:
-          break
-        self.queue.popleft()
-        self.queued_completions -= h.params.n
-        bucket = lb
-        batch.append((h, free[used:used + h.params.n]))
-        used += h.params.n
+      order = list(self._groups)
+      last_taken = {}  # id(group) -> when it was last taken from
+      took = True
+      while took and len(batch) < ec.prefill_rows:
+        took = False
+        for g in order:
+          if not g or len(batch) >= ec.prefill_rows:
+            continue
+          h = g[0]
+          lb = self.prompt_bucket(len(h.prompt))
+          if h.params.n > len(free) - used:
+            if not batch:  # the submission whose turn it is waits for slots: nobody overtakes
+              return [], None
+            continue
+          if bucket is not None and lb != bucket:
+            continue
+          g.popleft()
+          self.queued_completions -= h.params.n
+          bucket = lb
+          batch.append((h, free[used:used + h.params.n]))
+          used += h.params.n
+          last_taken[id(g)] = len(batch)
+          took = True
+      waiting = [g for g in order if id(g) not in last_taken]
+      served = sorted((g for g in order if id(g) in last_taken), key=lambda g: last_taken[id(g)])
+      self._groups = collections.deque(g for g in waiting + served if g)
     return batch, bucket
 
   def prompt_bucket(self, n: int) -> int:

@@ -1,4 +1,4 @@
-"""The scheduler without a model: admission order and grouping, lowest-first slots, all-or-nothing
+"""The scheduler without a model: admission order and grouping (round-robin across submissions), lowest-first slots, all-or-nothing
 queueing, expiry, and the shape buckets the device programs are compiled for."""
 
 import sys
@@ -101,6 +101,67 @@ def test_drain_empties_the_queue():
   assert not s.has_work()
   s.assign(2, reqs[0], reqs[0].samples[0])
   assert s.has_work() and s.owned_slots() == [2] and s.num_running() == 1
+
+
+
+def _admit(s, batch):
+  for h, slots in batch:
+    for i, slot in enumerate(slots):
+      s.assign(slot, h, h.samples[i])
+
+
+def test_admission_is_round_robin_across_submissions():
+  s = _sched()  # 8 slots, 4 prefill rows
+  a = [_req(3) for _ in range(5)]
+  b, c = [_req(3)], [_req(3) for _ in range(2)]
+  for group in (a, b, c):
+    s.enqueue(group)
+  batch, _ = s.take_prefill_batch()
+  assert [h for h, _ in batch] == [a[0], b[0], c[0], a[1]]  # one from each, then round again
+  assert [slots for _, slots in batch] == [[0], [1], [2], [3]]
+  _admit(s, batch)
+  batch, _ = s.take_prefill_batch()  # b is done; c's turn comes before a's
+  assert [h for h, _ in batch] == [c[1], a[2], a[3], a[4]]
+  assert not s.queue and s.queued_completions == 0
+
+
+def test_a_later_small_submission_is_admitted_as_soon_as_slots_free():
+  """One submission of 20 holds all 8 slots; a small one that comes later gets one of the next
+  two slots to free, not a slot after all 12 queued prompts of the big one."""
+  s = _sched(max_queue=32)
+  big = [_req(3) for _ in range(20)]
+  s.enqueue(big)
+  for _ in range(2):
+    _admit(s, s.take_prefill_batch()[0])
+  assert s.num_running() == 8 and s.take_prefill_batch() == ([], None)
+  small = _req(3)
+  s.enqueue([small])
+  s.release(5)
+  first = s.take_prefill_batch()[0]
+  _admit(s, first)
+  s.release(6)
+  second = s.take_prefill_batch()[0]
+  assert [h for h, _ in first + second] == [big[8], small]
+  assert s.queue_depth() == 11
+
+
+def test_the_submission_whose_turn_it_is_is_not_overtaken_but_other_buckets_wait_in_place():
+  s = _sched(max_slots=4)
+  for slot in (0, 1):
+    s.assign(slot, object(), object())
+  wide, narrow = _req(3, n=3), _req(3)
+  s.enqueue([wide])
+  s.enqueue([narrow])
+  assert s.take_prefill_batch() == ([], None)  # wide needs 3 of the 2 free slots: all wait
+  s.release(0)
+  assert s.take_prefill_batch()[0] == [(wide, [0, 2, 3])]
+  # A submission whose head is in another length bucket keeps its place for the next call.
+  s = _sched()
+  long_, short = _req(20), _req(3)  # buckets 32 and 16
+  s.enqueue([long_])
+  s.enqueue([short])
+  assert s.take_prefill_batch() == ([(long_, [0])], 32)
+  assert s.take_prefill_batch() == ([(short, [0])], 16)
 
 
 if __name__ == "__main__":

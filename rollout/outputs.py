@@ -1,0 +1,93 @@
+"""A request's results on the host: tokens appended, stop strings, stream flushes, Completions.
+
+What: the engine thread hands each completion's new tokens to `append` and, when a completion
+ends, sets its text (`final_text`); `cut_at_stop_string` ends one at its first stop string;
+`flush_stream` passes what a streaming consumer has not seen to its `on_tokens` callback; and
+`completions` builds a finished request's `Completion`s. None of it touches device state or
+slots, which stay `rollout.engine`'s; split out so the serving loop reads on its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import numpy as np
+
+from moe.config import ModelConfig
+from rollout.engine_types import Completion, RequestHandle, Sample
+
+log = logging.getLogger(__name__)
+
+
+def append(h: RequestHandle, s: Sample, tokens, logprobs, routing, version: int, top) -> None:
+  """Appends new tokens with their logprobs, routing, weight version and (if asked) alternatives."""
+  k = h.params.logprobs
+  if k:
+    s.top.extend({int(i): float(v) for i, v in zip(ids[:k], vals[:k])} for ids, vals in top)
+  s.tokens.extend(int(t) for t in tokens)
+  s.logprobs.extend(float(x) for x in logprobs)
+  s.routing.extend(routing)
+  s.versions.extend([version] * len(tokens))
+
+
+def cut_at_stop_string(h: RequestHandle, s: Sample, tokenizer) -> bool:
+  """If the text holds one of the request's stop strings, ends it there; returns whether it did.
+
+  Keeps the shortest token prefix whose text reaches the first stop string, and sets `s.text` to
+  the text before it.
+  """
+  text = tokenizer.decode(s.tokens)
+  hits = [text.find(x) for x in h.params.stop if x in text]
+  if not hits:
+    return False
+  cut = min(hits)
+  for j in range(1, len(s.tokens) + 1):
+    if len(tokenizer.decode(s.tokens[:j])) > cut:
+      break
+  for lst in (s.tokens, s.logprobs, s.routing, s.versions, s.top):
+    del lst[j:]
+  s.text = text[:cut]
+  return True
+
+
+def final_text(h: RequestHandle, s: Sample, reason: str, tokenizer) -> str:
+  """The text of a completion ended by `reason` (a stop token that ended it is not included)."""
+  toks = s.tokens[:-1] if (reason == "stop" and s.tokens and s.tokens[-1] in h.stop_ids) \
+      else s.tokens
+  return tokenizer.decode(toks)
+
+
+def flush_stream(h: RequestHandle) -> None:
+  """Passes each completion's unsent tokens (and its end, once) to the request's `on_tokens`."""
+  if h.on_tokens is None:
+    return
+  for s in h.samples:
+    sent = getattr(s, "_streamed", 0)
+    if len(s.tokens) > sent or (s.finish_reason is not None and not getattr(s, "_ended", False)):
+      try:
+        h.on_tokens(h, s.index, s.tokens[sent:], s.logprobs[sent:], s.finish_reason)
+      except Exception:  # a broken consumer must not stop the engine
+        log.exception("on_tokens callback failed")
+      s._streamed = len(s.tokens)
+      s._ended = s.finish_reason is not None
+
+
+def completions(h: RequestHandle, cfg: ModelConfig, tokenizer: Optional[object]) -> list:
+  """The request's `Completion`s (a completion that has not ended is marked "cancelled")."""
+  out = []
+  for s in h.samples:
+    if s.finish_reason is None:
+      s.finish_reason = "cancelled"
+    if not s.text and tokenizer is not None and s.tokens and s.finish_reason != "stop":
+      s.text = tokenizer.decode(s.tokens)
+    routing = None
+    if cfg.num_moe_layers:
+      k = cfg.num_experts_per_tok
+      routing = (np.stack(s.routing, axis=1) if s.routing
+                 else np.zeros((cfg.num_moe_layers, 0, k), np.dtype(cfg.routing_dtype)))
+    out.append(Completion(token_ids=list(s.tokens), logprobs=list(s.logprobs), routing=routing,
+                          policy_versions=list(s.versions), finish_reason=s.finish_reason,
+                          text=s.text, prompt_routing=h.prompt_routing, index=s.index,
+                          top_logprobs=list(s.top) if h.params.logprobs else None))
+  return out
