@@ -134,17 +134,34 @@ def run_learner(workdir: str, model_cfg: ModelConfig, config: PipelineConfig,
   return learner.step
 
 
-def wait_for_weights(store_url: str, timeout_s: float = 600.0):
-  """(flat weights, version) once the learner has published anything."""
+def wait_for_weights(store_url: str, timeout_s: float = 600.0, name: Optional[str] = None):
+  """(store, subscriber) once the learner has published anything; the subscriber (named `name`)
+  holds the newest version it could restore, in `.weights` and `.version`.
+
+  Restarted across a damaged delta, that is the newest version reachable around it (a newer
+  snapshot, or the last version before the damage): sync.subscriber.Subscriber.restore says so
+  (WARNING) and asks the learner for a snapshot, and the subscriber's polls then move on. A
+  restore that fails (nothing reachable yet) is retried until `timeout_s`.
+  """
   from sync import publisher as publisher_lib  # pylint: disable=g-import-not-at-top
   from sync import store as store_lib  # pylint: disable=g-import-not-at-top
+  from sync import subscriber as subscriber_lib  # pylint: disable=g-import-not-at-top
   store = store_lib.Store(store_url)
+  sub = subscriber_lib.Subscriber(store, None, name=name)
   t0 = time.monotonic()
+  failed = None
   while True:
     if publisher_lib.read_index(store).latest is not None:
-      return store, publisher_lib.restore(store)
+      try:
+        sub.restore()
+        return store, sub
+      except subscriber_lib.SyncError as e:
+        if str(e) != failed:
+          log.warning("no published weights can be restored yet (%s); retrying", e)
+          failed = str(e)
     if time.monotonic() - t0 > timeout_s:
-      raise TimeoutError(f"no weights were published to {store_url} in {timeout_s}s")
+      raise TimeoutError(f"no weights could be restored from {store_url} in {timeout_s}s"
+                         + (f" (last: {failed})" if failed else ""))
     time.sleep(0.2)
 
 
@@ -152,6 +169,9 @@ def run_sampler(workdir: str, *, port: int, max_slots: int = 64, max_len: int = 
                 sync_interval_s: float = 0.05, stale_versions: int = 2,
                 stale_s: float = 60.0) -> None:
   """Serves the newest published weights over HTTP and follows new versions (blocking).
+
+  It starts on the newest version it can restore (`wait_for_weights`: around a damaged delta,
+  asking the learner for a snapshot) and follows from there.
 
   `/health` answers 503 (naming the problem) when the weight-sync thread died or the served
   weights have been more than `stale_versions` behind the published ones for over `stale_s`
@@ -161,16 +181,13 @@ def run_sampler(workdir: str, *, port: int, max_slots: int = 64, max_len: int = 
   from pipeline.local import swap_into  # pylint: disable=g-import-not-at-top
   from rollout import server  # pylint: disable=g-import-not-at-top
   from rollout.engine import Engine, EngineConfig  # pylint: disable=g-import-not-at-top
-  from sync import publisher as publisher_lib  # pylint: disable=g-import-not-at-top
-  from sync import subscriber as subscriber_lib  # pylint: disable=g-import-not-at-top
-  store, (flat, version) = wait_for_weights(paths(workdir)["weights"])
-  cfg = _model_config_of(store, version)
+  store, sub = wait_for_weights(paths(workdir)["weights"], name=f"sampler-{port}")
+  cfg = _model_config_of(store, sub.version)
   tok = ByteTokenizer()
-  engine = Engine.from_flat(flat, cfg, version=version, tokenizer=tok,
+  engine = Engine.from_flat(sub.weights, cfg, version=sub.version, tokenizer=tok,
                             config=EngineConfig(max_slots=max_slots, max_len=max_len,
                                                 eos_token_ids=(tok.eos_id,)))
-  sub = subscriber_lib.Subscriber(store, swap_into(engine), name=f"sampler-{port}")
-  sub.adopt(flat, version, publisher_lib.read_manifest(store, version).digest)
+  sub.apply_fn = swap_into(engine)
   stop = threading.Event()
   threading.Thread(target=sub.run, args=(stop, sync_interval_s), daemon=True,
                    name="weight-sync").start()

@@ -189,11 +189,9 @@ def _free_port():
     return sock.getsockname()[1]
 
 
-def test_sampler_process_gets_past_a_damaged_delta_and_reports_a_torn_index(tmp_path):
-  """The same faults against a `run_sampler` child process, observed through its /health."""
-  work, channel = _workdir_channel(tmp_path)
-  ws = _versions(5)
-  channel.publish(ws[0], 0)
+def _start_sampler_process(tmp_path, work):
+  """(process, its log path, health()) of a `run_sampler` child on a free port; health() fails
+  the test if the process has exited, and is None while it does not answer yet."""
   port = _free_port()
   log_path = str(tmp_path / "sampler.log")
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
@@ -209,13 +207,21 @@ def test_sampler_process_gets_past_a_damaged_delta_and_reports_a_torn_index(tmp_
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=log_file,
                             stderr=subprocess.STDOUT, start_new_session=True)
 
-  def version():
+  def health():
     assert proc.poll() is None, "sampler exited:\n" + open(log_path).read()[-3000:]
     try:
       return _health(port)
     except OSError:
       return None
+  return proc, log_path, health
 
+
+def test_sampler_process_gets_past_a_damaged_delta_and_reports_a_torn_index(tmp_path):
+  """The same faults against a `run_sampler` child process, observed through its /health."""
+  work, channel = _workdir_channel(tmp_path)
+  ws = _versions(5)
+  channel.publish(ws[0], 0)
+  proc, log_path, version = _start_sampler_process(tmp_path, work)
   try:
     _until(lambda: (version() or (0, {}))[1].get("policy_version") == 0, "the sampler to serve")
     _damage_when_written(channel.store, 1)
@@ -239,6 +245,64 @@ def test_sampler_process_gets_past_a_damaged_delta_and_reports_a_torn_index(tmp_
   assert "fell back to snapshot 2 to reach version 2" in out, out[-3000:]
   assert "poll failed (ManifestError: bad index" in out, out[-3000:]
 
+
+
+def test_sampler_restarted_across_a_damaged_delta_starts_and_catches_up(tmp_path):
+  """A sampler (re)started while delta 2 lies damaged between the newest snapshot (0) and the
+  newest version (3): it used to fail to start (its restore chained through delta 2). It starts
+  on version 1, says so, asks for a snapshot, and the channel's answer brings it to version 3."""
+  work, channel = _workdir_channel(tmp_path)
+  ws = _versions(4)
+  channel.publish(ws[0], 0)
+  _damage_when_written(channel.store, 2)
+  for v in range(1, 4):
+    channel.publish(ws[v], v)
+  proc, log_path, health = _start_sampler_process(tmp_path, work)
+  try:
+    _until(lambda: health() == (200, {"status": "ok", "policy_version": 3}),
+           "the restarted sampler to serve version 3, healthy")
+  finally:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    channel.publisher.close()
+  out = open(log_path).read()
+  assert "cannot restore the newest version 3 (damaged delta 2); restored version 1" in out, \
+      out[-3000:]
+  assert "fell back to snapshot 3 to reach version 3 from 1, skipping damaged delta 2" in out, \
+      out[-3000:]
+  assert channel.publisher.requested_snapshots == 1
+
+
+def test_learner_restarted_across_a_damaged_delta_publishes_what_it_holds(tmp_path):
+  """A learner (its WeightChannel's publisher) restarted while delta 2 is damaged cannot rebuild
+  version 3, so its next version is a full snapshot, not a delta on weights it does not hold; a
+  sampler stuck behind the damage then serves exactly the learner's weights."""
+  work, channel = _workdir_channel(tmp_path)
+  ws = _versions(6)
+  channel.publish(ws[0], 0)
+  s = _InProcessSampler(channel, ws[0])
+  _damage_when_written(channel.store, 2)
+  for v in range(1, 4):
+    channel.publish(ws[v], v)
+  channel.publisher.close()  # the learner is killed
+  with pytest.raises(subscriber_lib.SyncError):
+    s.sub.poll()  # stuck at 0 behind delta 2 (and it asks for a snapshot)
+  assert s.sub.version == 0 and s.sub.waiting_for_snapshot == 2
+  restarted = local.WeightChannel(channel.store.url, model_cfg=testing.MODEL)
+  try:
+    assert restarted.latest() == 3
+    report = restarted.publish(ws[4], 4)
+    assert report.snapshot and report.delta_bytes is None
+    r = s.sub.poll()
+    assert r.version == 4 and r.steps == [("snapshot", 4)] and s.engine.version == 4
+    assert all((s.sub.weights[k] == ws[4][k]).all() for k in ws[4]) and \
+        s.sub.weights.keys() == ws[4].keys()
+    assert not restarted.publish(ws[5], 5).snapshot  # deltas again, on what it now holds
+    r = s.sub.poll()
+    assert r.steps == [("delta", 5)] and all((s.sub.weights[k] == ws[5][k]).all() for k in ws[5])
+  finally:
+    s.close()
+    restarted.publisher.close()
 
 if __name__ == "__main__":
   sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))

@@ -21,6 +21,12 @@ answers: `publish` makes the version it writes a snapshot while a request is pen
 `answer_requests` (called by a background thread with `answer_requests_s`, for a learner that is
 not publishing) adds a snapshot to the newest version from the copy it holds.
 
+Restarts across damage: `restore` and a restarted `Publisher` rebuild through the subscriber's
+walker, which verifies every object and plans around damaged ones (see `subscriber`). A restarted
+publisher that cannot rebuild the newest version holds nothing, so its next version is a full
+snapshot rather than a delta on weights it does not have (until then it cannot answer requests,
+unless the learner hands it those weights with `hold`).
+
 The store writes each object atomically (see `store`), so the index is never seen torn there;
 `read_index` still retries a parse failure with back-off, for readers behind other writers or
 copies (relays, rsync'd mirrors).
@@ -37,9 +43,10 @@ import weakref
 import numpy as np
 
 from sync import delta
-from sync import fetch_plan
 from sync import manifest as manifest_lib
+from sync import objects
 from sync import snapshot
+from sync import subscriber
 from sync import weights
 
 
@@ -57,70 +64,31 @@ class PublishReport:
 log = logging.getLogger(__name__)
 
 
-def read_index(source, *, attempts: int = 5, backoff_s: float = 0.02) -> manifest_lib.Index:
-  """The store's index (empty if nothing was published yet).
-
-  A parse failure (an index torn by a non-atomic writer or copy) is read again up to `attempts`
-  times, waiting `backoff_s`, then twice that, ...; a tear that outlasts them raises.
-
-  Raises:
-    manifest.ManifestError: the index stayed malformed for every attempt.
-  """
-  for attempt in range(attempts):
-    try:
-      data = source.get(manifest_lib.INDEX_KEY)
-    except KeyError:
-      return manifest_lib.Index()
-    try:
-      return manifest_lib.Index.from_bytes(data)
-    except manifest_lib.ManifestError:
-      if attempt + 1 >= attempts:
-        raise
-      time.sleep(backoff_s * 2 ** attempt)
-  raise AssertionError("unreachable")
-
-
-def request_snapshot(store, requester: str, past: int, reason: str) -> None:
-  """Asks the publisher of `store` for a snapshot at a version >= `past` (see module docstring);
-  one request per requester, replaced by its next one."""
-  store.put(manifest_lib.snapshot_request_key(requester), json.dumps(
-      {"past": int(past), "reason": reason, "time": time.time()}).encode())
-
-
-def read_manifest(source, version: int) -> manifest_lib.Manifest:
-  return manifest_lib.Manifest.from_bytes(source.get(manifest_lib.manifest_key(version)))
-
-
-def fetch_verified(source, ref: manifest_lib.ObjectRef) -> bytes:
-  data = source.get(ref.key)
-  if len(data) != ref.size or weights.xxh(data) != ref.xxh3:
-    raise delta.DeltaError(f"object {ref.key} has the wrong size or hash")
-  return data
-
-
-def load_snapshot(source, m: manifest_lib.Manifest) -> dict:
-  """Fetches, verifies and restores a snapshot; checks the weights' digest."""
-  files = {r.key: fetch_verified(source, r) for r in m.snapshot}
-  flat = snapshot.restore_files(files, m.version, list(m.tensors))
-  if weights.digest(flat, m.chunk_elems) != m.digest:
-    raise delta.DeltaError(f"snapshot {m.version} does not match its digest")
-  return flat
+# Reading the store lives in `objects` (the subscriber needs it too); the names stay here.
+read_index = objects.read_index
+request_snapshot = objects.request_snapshot
+read_manifest = objects.read_manifest
+fetch_verified = objects.fetch_verified
+load_snapshot = objects.load_snapshot
 
 
 def restore(source, version: int | None = None, workers=None) -> tuple[dict, int]:
-  """(weights, version) of `version` (default latest) from a Store or any `.get(key)` source."""
-  index = read_index(source)
-  p = fetch_plan.plan(index, None, version)
-  flat, digest = None, None
-  for kind, v in p.steps:
-    m = read_manifest(source, v)
-    if kind == "snapshot":
-      flat, digest = load_snapshot(source, m), m.digest
-    else:
-      flat = delta.decode(flat, fetch_verified(source, m.delta), workers=workers,
-                          expect_parent=digest)
-      digest = m.digest
-  return flat, p.steps[-1][1]
+  """(weights, version) of `version` from a Store or any `.get(key)` source; by default the
+  newest version it can reach.
+
+  Every object is verified and a damaged one is planned around (`subscriber.Subscriber.restore`,
+  the one chain walker): through a newer snapshot past it, or, by default, to the newest version
+  before it, with a WARNING; compare the version returned with `read_index(source).latest`.
+  It asks for no snapshot (a sampler that follows uses a `Subscriber`, which does).
+
+  Raises:
+    fetch_plan.PlanError: nothing is published, or `version` is not retained.
+    subscriber.SyncError: `version` (or any version) cannot be reached.
+  """
+  sub = subscriber.Subscriber(source, None, workers=workers, name="restore",
+                              request_snapshot=False)
+  got = sub.restore(version).version
+  return sub.weights, got
 
 
 class Publisher:
@@ -151,13 +119,54 @@ class Publisher:
     self.workers = workers
     self.index = read_index(store)
     self._prev, self._prev_digest = None, None
+    self._told_unanswerable = False
     if self.index.latest is not None:  # resume after a restart
-      self._prev, _ = restore(store, self.index.latest, workers)
-      self._prev_digest = read_manifest(store, self.index.latest).digest
+      self._resume()
     if answer_requests_s is not None:
       threading.Thread(target=_answer_loop, args=(weakref.ref(self), self._closed,
                                                   answer_requests_s),
                        daemon=True, name="publisher-requests").start()
+
+  def _resume(self) -> None:
+    """Rebuilds the newest published version (the next delta's parent) after a restart.
+
+    If it cannot be rebuilt (a damaged or missing object on every path to it), the publisher
+    holds nothing: its next version is a full snapshot, not a delta on weights it does not
+    have, and snapshot requests wait for that publish (or for `hold`).
+    """
+    latest = self.index.latest
+    sub = subscriber.Subscriber(self.store, None, workers=self.workers, name="publisher",
+                                request_snapshot=False)
+    try:
+      sub.restore(latest)
+    except subscriber.SyncError as e:
+      log.warning("weight sync: the restarted publisher cannot rebuild the newest published "
+                  "version %d (%s); its next version will be a full snapshot", latest, e)
+      return
+    self._prev, self._prev_digest = sub.weights, sub.digest
+
+  def hold(self, flat: dict) -> bool:
+    """Declares that `flat` is the newest published version's weights (e.g. a restarted learner
+    whose own checkpoint reached it) for a publisher that could not rebuild it (see `_resume`);
+    returns whether it took them.
+
+    Checked against the manifest's digest, so wrong weights are refused (False) and the next
+    version stays a full snapshot. Taken, the next version is a delta again and snapshot
+    requests can be answered from them.
+    """
+    with self._lock:
+      latest = self.index.latest
+      if latest is None:
+        return False
+      m = read_manifest(self.store, latest)
+      if m.chunk_elems != self.chunk_elems or weights.digest(flat, self.chunk_elems) != m.digest:
+        log.warning("weight sync: the weights offered as version %d do not match its digest; "
+                    "not holding them", latest)
+        return False
+      self._keep(flat)
+      self._prev_digest = m.digest
+      self._told_unanswerable = False
+      return True
 
   @property
   def version(self) -> int | None:
@@ -196,6 +205,13 @@ class Publisher:
       newest = self._newest_snapshot()
       unmet = [past for past in pending.values()
                if past <= latest and (newest is None or newest < past)]
+      if unmet and self._prev is None:  # a restart could not rebuild `latest` (see _resume)
+        if not self._told_unanswerable:
+          log.warning("weight sync: cannot answer snapshot requests (%s) until the next publish: "
+                      "this publisher does not hold version %d", ", ".join(sorted(pending)),
+                      latest)
+          self._told_unanswerable = True
+        return None
       if unmet:
         m = read_manifest(self.store, latest)
         if m.snapshot is None:

@@ -24,6 +24,11 @@ snapshot (`publisher.request_snapshot`, when the source is a writable store), wh
 answers even while the learner is not publishing. A transient failure (a missing object, a
 transport error) is only avoided for the one poll.
 
+Starting from nothing (`restore`, what a restarted sampler, `publisher.restore` and a restarted
+`publisher.Publisher` use) walks the same way: around damaged links through a newer snapshot,
+or, without one, to the newest version before the damage, said loudly and with a snapshot asked
+for, so a process restarted across damage starts and then catches up instead of failing.
+
 Never silent: `run` catches, logs, counts and retries with back-off every exception of a poll
 (a torn index included), so the sync thread does not die on one; if it ends anyway, or the
 weights fall behind the published index by more than a bound for longer than a grace period,
@@ -48,8 +53,8 @@ import time
 from sync import delta
 from sync import fetch_plan
 from sync import manifest as manifest_lib
+from sync import objects
 from sync import transport
-from sync import publisher
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +141,7 @@ class Subscriber:
     self.name = name or f"{os.uname().nodename}-{os.getpid()}-{id(self):x}"
     if request_snapshot is True:
       request_snapshot = (None if not hasattr(source, "put") else
-                          lambda past, reason: publisher.request_snapshot(
+                          lambda past, reason: objects.request_snapshot(
                               source, self.name, past, reason))
     self._request = request_snapshot or None
     self.version = None
@@ -169,15 +174,15 @@ class Subscriber:
     held = True  # flat's arrays are the held ones (until a snapshot replaces them)
     for kind, v in steps:
       try:
-        m = publisher.read_manifest(src, v)
+        m = objects.read_manifest(src, v)
         if kind == "snapshot":
-          flat = publisher.load_snapshot(src, m)
+          flat = objects.load_snapshot(src, m)
           held = False
         else:
           if m.parent != version or m.parent_digest != digest or flat is None:
             raise delta.DeltaError(f"delta {v} applies to {m.parent}, not to the held {version} "
                                    "(foreign or reordered delta)")
-          blob = publisher.fetch_verified(src, m.delta)
+          blob = objects.fetch_verified(src, m.delta)
           if delta.read_trailer(blob)[1] != m.digest:  # before anything is written
             raise delta.DeltaError(f"delta {v} does not rebuild the manifest's version")
           t = time.perf_counter()
@@ -199,6 +204,51 @@ class Subscriber:
       version, digest = v, m.digest
     return flat, version, digest, decode_s
 
+  def _read_index(self) -> manifest_lib.Index:
+    """The index, recording the read (or why it failed) for `health_problem`."""
+    try:
+      index = objects.read_index(self.source)
+    except Exception as e:
+      self._index_error = f"{type(e).__name__}: {e}"
+      raise
+    self._saw(index)
+    # Damage to objects the publisher has since dropped no longer matters.
+    self.damaged = {k: r for k, r in self.damaged.items() if k[1] in index.versions}
+    return index
+
+  def _reach(self, index, target: int, bad: dict, rejected: list):
+    """Plans and follows the cheapest path from the held version to `target` that avoids the
+    objects in `bad` ({(kind, version): why}), re-planning after each link that fails (added
+    to `bad` and `rejected`; a damaged one also to `self.damaged`, with a WARNING). The one
+    chain walker: `poll`, `restore` and (through them) `publisher.restore` and a restarted
+    `publisher.Publisher` all build weights here.
+
+    Returns:
+      (flat, version, digest, plan, counted source, fetch_s, decode_s) of the path followed.
+    Raises:
+      fetch_plan.PlanError: no retained path avoids `bad` (see `bad`, `rejected` for why).
+    """
+    while True:
+      src = _Counting(self.source)
+      t0 = time.perf_counter()
+      p = fetch_plan.plan(_without(index, bad), self.version, target)
+      try:
+        flat, version, digest, decode_s = self._follow(src, p.steps)
+      except _LinkFailed as e:
+        rejected.append(str(e))
+        bad[(e.kind, e.version)] = str(e)
+        if isinstance(e.cause, _DAMAGE) and (e.kind, e.version) not in self.damaged:
+          self.damaged[(e.kind, e.version)] = str(e)
+          log.warning("weight sync %s: %s %d is damaged (%s: %s); planning around it",
+                      self.name, e.kind, e.version, type(e.cause).__name__, e.cause)
+        continue
+      return flat, version, digest, p, src, time.perf_counter() - t0 - decode_s, decode_s
+
+  def _skipped(self, start: int | None, version: int) -> list:
+    """The damaged links between `start` (exclusive; None: nothing) and `version`."""
+    return [f"{k} {v}" for k, v in sorted(self.damaged, key=lambda x: (x[1], x[0]))
+            if v <= version and (start is None or v > start)]
+
   def poll(self) -> UpdateReport | None:
     """Moves to the newest version if there is one; returns its report, or None.
 
@@ -207,42 +257,21 @@ class Subscriber:
         exists yet); the previous weights are still held (and served).
       manifest.ManifestError: the index stayed malformed through `read_index`'s retries.
     """
-    try:
-      index = publisher.read_index(self.source)
-    except Exception as e:
-      self._index_error = f"{type(e).__name__}: {e}"
-      raise
-    self._saw(index)
+    index = self._read_index()
     if index.latest is None or index.latest == self.version == self._served:
       return None
-    # Damage to objects the publisher has since dropped no longer matters.
-    self.damaged = {k: r for k, r in self.damaged.items() if k[1] in index.versions}
     start = self.version
     bad = dict(self.damaged)  # + objects that failed transiently, avoided in this poll only
     rejected = []
     from_version = self._served
-    while True:
-      src = _Counting(self.source)
-      t0 = time.perf_counter()
-      try:
-        p = fetch_plan.plan(_without(index, bad), self.version, index.latest)
-      except fetch_plan.PlanError as e:
-        if any(k in self.damaged for k in bad):
-          self._wait_for_snapshot(index)
-        raise SyncError(f"update to {index.latest} failed: {rejected}") from e
-      try:
-        flat, version, digest, decode_s = self._follow(src, p.steps)
-        break
-      except _LinkFailed as e:
-        rejected.append(str(e))
-        bad[(e.kind, e.version)] = str(e)
-        if isinstance(e.cause, _DAMAGE) and (e.kind, e.version) not in self.damaged:
-          self.damaged[(e.kind, e.version)] = str(e)
-          log.warning("weight sync %s: %s %d is damaged (%s: %s); planning around it",
-                      self.name, e.kind, e.version, type(e.cause).__name__, e.cause)
-    fetch_s = time.perf_counter() - t0 - decode_s
-    skipped = [f"{k} {v}" for k, v in sorted(self.damaged, key=lambda x: (x[1], x[0]))
-               if v <= version and (start is None or v > start)]
+    try:
+      flat, version, digest, p, src, fetch_s, decode_s = self._reach(index, index.latest, bad,
+                                                                     rejected)
+    except fetch_plan.PlanError as e:
+      if any(k in self.damaged for k in bad):
+        self._wait_for_snapshot(index)
+      raise SyncError(f"update to {index.latest} failed: {rejected}") from e
+    skipped = self._skipped(start, version)
     t = time.perf_counter()
     self.apply_fn(flat, version)
     pause = time.perf_counter() - t
@@ -258,6 +287,71 @@ class Subscriber:
       log.warning("weight sync %s: fell back to snapshot %d to reach version %d from %s, "
                   "skipping damaged %s", self.name, p.steps[0][1], version, from_version,
                   ", ".join(skipped))
+    return report
+
+  def restore(self, version: int | None = None) -> UpdateReport:
+    """Loads a published version from nothing and holds it as served (as `adopt` does), without
+    calling `apply_fn`: `version`, or by default the newest one it can reach. For a process
+    that starts on published weights (a restarted sampler or learner) and may then follow.
+
+    Damaged objects are planned around as in `poll`: through a newer snapshot past them if
+    there is one. Without one, the default is the newest version whose path avoids them: it
+    says so (WARNING), asks for a snapshot past the damage as `poll` does, and later polls move
+    on once one is published. The report's `fallback`/`skipped` name the damaged links avoided
+    (all of them, also those past the version reached); `version` < `published` says it fell
+    short. An explicit `version` is that version or an error.
+
+    Raises:
+      fetch_plan.PlanError: nothing is published, or `version` is not retained.
+      SyncError: no retained version (or not `version`) can be reached, for damage or
+        transient failures; nothing is held.
+      manifest.ManifestError: the index stayed malformed through `read_index`'s retries.
+      ValueError: this subscriber already holds a version (it moves on with `poll`).
+    """
+    if self.version is not None:
+      raise ValueError(f"weight sync {self.name}: restore starts from nothing, but version "
+                       f"{self.version} is held (poll moves on from it)")
+    index = self._read_index()
+    if index.latest is None:
+      raise fetch_plan.PlanError("nothing published yet")
+    targets = [version] if version is not None else sorted(index.versions, reverse=True)
+    bad = dict(self.damaged)  # + objects that failed transiently, avoided in this call only
+    rejected = []
+    for target in targets:
+      try:
+        got = self._reach(index, target, bad, rejected)
+        break
+      except fetch_plan.PlanError as e:
+        blocked_by_damage = any(k in self.damaged for k in bad)
+        if version is not None and not rejected and not blocked_by_damage:
+          raise  # not retained
+        if version is None and blocked_by_damage:
+          continue  # an older version may lie before the damage
+        if blocked_by_damage:
+          self._wait_for_snapshot(index)
+        what = "the newest version" if version is None else f"version {version}"
+        raise SyncError(f"restoring {what} failed: {rejected}") from e
+    else:
+      self._wait_for_snapshot(index)
+      raise SyncError(f"no published version can be restored around damaged "
+                      f"{sorted(self.damaged)}: {rejected}")
+    flat, got_version, digest, p, src, fetch_s, decode_s = got
+    self.weights, self.version, self.digest = flat, got_version, digest
+    self._served = got_version
+    self._seen_at = {v: t for v, t in self._seen_at.items() if v > got_version}
+    skipped = self._skipped(None, index.latest if version is None else got_version)
+    report = UpdateReport(got_version, None, p.steps, src.bytes, fetch_s, decode_s, 0.0,
+                          rejected, fallback=bool(skipped), skipped=skipped)
+    if skipped:
+      self.fallbacks += 1
+    if version is None and got_version < index.latest:
+      log.warning("weight sync %s: cannot restore the newest version %d (damaged %s); restored "
+                  "version %d, the newest reachable, and following from there", self.name,
+                  index.latest, ", ".join(skipped), got_version)
+      self._wait_for_snapshot(index)
+    elif skipped:
+      log.warning("weight sync %s: restored version %d through snapshot %d, skipping damaged "
+                  "%s", self.name, got_version, p.steps[0][1], ", ".join(skipped))
     return report
 
   def _saw(self, index: manifest_lib.Index) -> None:

@@ -271,6 +271,108 @@ def test_damaged_delta_without_a_snapshot_past_it_asks_the_publisher(tmp_path, c
   assert v == want and testing.same_bits(flat, hist[want])
 
 
+def test_restore_across_a_damaged_delta_starts_before_it_then_catches_up(tmp_path, caplog):
+  """A sampler restarted with a damaged delta between the newest snapshot and the newest
+  version: it starts on the newest version before the damage, says so, asks for a snapshot and
+  reaches the newest version once one is published (issue #17: it used to fail to start)."""
+  st, pub, hist, sampler, sub = _setup(tmp_path, n=6, snapshot_every=3, keep_snapshots=5)
+  _damage(st, 4)  # snapshots 0 and 3; 4 lies between snapshot 3 and the newest, 5
+  with caplog.at_level(logging.WARNING, logger="sync.subscriber"):
+    r = sub.restore()
+  assert r.version == sub.version == 3 and r.steps == [("snapshot", 3)]
+  assert r.fallback and r.skipped == ["delta 4"] and sub.fallbacks == 1
+  assert testing.same_bits(sub.weights, hist[3]) and sampler.applied == []  # held, not applied
+  assert any("cannot restore the newest version 5 (damaged delta 4); restored version 3" in m
+             for m in caplog.messages)
+  assert sub.waiting_for_snapshot == 4
+  with pytest.raises(ValueError, match="starts from nothing"):
+    sub.restore()  # it holds 3 now: poll moves on
+  assert st.list(manifest_lib.SNAPSHOT_REQUESTS) == [manifest_lib.snapshot_request_key(sub.name)]
+  with pytest.raises(subscriber.SyncError):
+    sub.poll()  # still no snapshot past the damage: holds 3
+  assert pub.answer_requests() == 5
+  r = sub.poll()
+  assert r.version == 5 and r.steps == [("snapshot", 5)] and r.skipped == ["delta 4"]
+  assert testing.same_bits(sampler.applied[-1][1], hist[5])
+  # publisher.restore walks the same way (and asks for nothing): the newest version is reached
+  # through the added snapshot; version 4 only through the damaged delta, so that is an error.
+  flat, v = publisher.restore(st)
+  assert v == 5 and testing.same_bits(flat, hist[5])
+  with pytest.raises(subscriber.SyncError, match="delta 4"):
+    publisher.restore(st, 4)
+
+
+def test_restore_falls_back_past_a_lost_snapshot_and_a_damaged_delta(tmp_path, caplog):
+  """Snapshot 5 listed but its files gone (transient: avoided for the call) and delta 4
+  damaged: restore reaches 3, the newest version before both, and says so."""
+  st, pub, hist, _, _ = _setup(tmp_path, n=6, snapshot_every=3, keep_snapshots=5)
+  _damage(st, 4)  # the cheapest path to 5 is snapshot 3 + deltas 4, 5
+  publisher.request_snapshot(st, "other", 5, "test")
+  assert pub.answer_requests() == 5
+  flat, v = publisher.restore(st)  # the snapshot is the cheapest way, past the damage
+  assert v == 5 and testing.same_bits(flat, hist[5])
+  st.delete_prefix(manifest_lib.snapshot_dir(5))  # that snapshot lost: back before delta 4
+  with caplog.at_level(logging.WARNING, logger="sync.subscriber"):
+    flat, v = publisher.restore(st)
+  assert v == 3 and testing.same_bits(flat, hist[3])
+  assert any("cannot restore the newest version 5 (damaged delta 4); restored version 3" in m
+             for m in caplog.messages)
+  assert st.list(manifest_lib.SNAPSHOT_REQUESTS) == []  # publisher.restore asks for nothing
+  pub.publish(hist[6])  # a periodic snapshot (every 3), past the damage
+  flat, v = publisher.restore(st)
+  assert v == 6 and testing.same_bits(flat, hist[6])
+
+
+def test_restarted_publisher_over_a_damaged_delta_publishes_consistently(tmp_path, caplog):
+  """The learner restarts with a damaged delta on the way to the newest version: its publisher
+  cannot rebuild that version, so its next version is a snapshot (a delta on weights it does
+  not hold would be wrong), and a subscriber following it gets exactly the learner's weights."""
+  st, pub, hist, sampler, sub = _setup(tmp_path, n=2)
+  sub.poll()  # a sampler at version 1
+  for w in hist[2:4]:
+    pub.publish(w)
+  _damage(st, 2)
+  with caplog.at_level(logging.WARNING, logger="sync.publisher"):
+    pub2 = publisher.Publisher(st, chunk_elems=testing.CHUNK, snapshot_every=100)
+  assert pub2.version == 3
+  assert any("cannot rebuild the newest published version 3" in m for m in caplog.messages)
+  with pytest.raises(subscriber.SyncError):
+    sub.poll()  # stuck at 1; it asks for a snapshot
+  assert pub2.answer_requests() is None  # it holds nothing to snapshot: the request waits
+  assert st.list(manifest_lib.SNAPSHOT_REQUESTS) == [manifest_lib.snapshot_request_key(sub.name)]
+  r = pub2.publish(hist[4])
+  assert r.version == 4 and r.snapshot and r.delta_bytes is None
+  assert st.list(manifest_lib.SNAPSHOT_REQUESTS) == []  # answered by that snapshot
+  r = sub.poll()
+  assert r.version == 4 and r.steps == [("snapshot", 4)]
+  assert testing.same_bits(sampler.applied[-1][1], hist[4])
+  pub2.publish(hist[5])  # and deltas on from there
+  r = sub.poll()
+  assert r.steps == [("delta", 5)] and testing.same_bits(sampler.applied[-1][1], hist[5])
+
+
+def test_restarted_publisher_holds_the_learners_weights_when_they_match(tmp_path):
+  """A restarted publisher that could not rebuild the newest version takes it from the learner
+  (`hold`, checked against the digest), then answers requests and publishes deltas again."""
+  st, pub, hist, sampler, sub = _setup(tmp_path, n=2)
+  sub.poll()
+  for w in hist[2:4]:
+    pub.publish(w)
+  _damage(st, 2)
+  pub2 = publisher.Publisher(st, chunk_elems=testing.CHUNK, snapshot_every=100)
+  with pytest.raises(subscriber.SyncError):
+    sub.poll()
+  assert not pub2.hold(hist[2])  # not version 3's weights
+  assert pub2.answer_requests() is None
+  assert pub2.hold(hist[3])
+  assert pub2.answer_requests() == 3
+  assert sub.poll().version == 3 and testing.same_bits(sampler.applied[-1][1], hist[3])
+  r = pub2.publish(hist[4])
+  assert not r.snapshot and r.delta_bytes
+  r = sub.poll()
+  assert r.steps == [("delta", 4)] and testing.same_bits(sampler.applied[-1][1], hist[4])
+
+
 def _wait(cond, what, timeout=60.0):
   """Waits (polling) until cond() holds; fails naming `what` after `timeout` s."""
   t0 = time.monotonic()
