@@ -144,8 +144,9 @@ def decode_step(params, cfg: ModelConfig, tokens, positions, cache_k, cache_v, c
     tokens: int32 [B] input token of each slot.
     positions: int32 [B] its absolute position (< cache length).
     cache_k: tuple (per layer) of [B, KV, hd, S] (keys transposed); cache_v: [B, KV, S, hd]
-      (`rollout.kv_cache`). Entry s of a row is visible to the query when s <= position (stale
-      entries are masked).
+      (`rollout.kv_cache`). Entry s of a row is visible to the query when s <= position; stale
+      entries past it are selected out of both scores and values, so whatever they hold (NaN
+      or inf included) never reaches the outputs.
     caps: expert capacity tiers for B tokens (`capacity_tiers`).
 
   Returns:
@@ -174,7 +175,11 @@ def decode_step(params, cfg: ModelConfig, tokens, positions, cache_k, cache_v, c
                        axis=-2) * (hd ** -0.5)  # [B, KV, G, S]
       scores = jnp.where(mask[:, None, None, :], scores, _NEG_INF)
       probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-      att = jnp.einsum("bkgs,bksd->bkgd", probs, cv.astype(dt)).reshape(b, -1)
+      # Probability 0 does not hide a value: 0 x NaN (or inf) is NaN, and entries past a
+      # position hold whatever an earlier occupant or earlier weights left there. Select them
+      # out of the values (costs ~4-7% of a decode step at batch 64, hidden 256, 160 positions).
+      vis_v = jnp.where(mask[:, None, :, None], cv.astype(dt), jnp.zeros((), dt))
+      att = jnp.einsum("bkgs,bksd->bkgd", probs, vis_v).reshape(b, -1)
     with jax.named_scope("out_proj"):
       x = x + (att @ lp["wo"]).astype(x.dtype)
     with jax.named_scope("ffn"):
@@ -210,11 +215,15 @@ def prefill(params, cfg: ModelConfig, tokens, lengths, caps: tuple):
   dt = params["embed"].dtype
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (p, t))
   causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]  # [T(query), T(key)]
+  real = positions < lengths[:, None]  # [P, T]
   x = jnp.take(params["embed"], tokens, axis=0)  # [P, T, D]
   ks, vs, routing = [], [], []
   for lp in params["layers"]:
     hx = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
     q, k, v = _qkv(hx, lp, cfg, positions)
+    # Pad positions' values are zeroed (a select, not a 0-probability product) so nothing past
+    # a prompt's length reaches its outputs, and the cache entries past it hold zeros.
+    v = jnp.where(real[:, :, None, None], v, jnp.zeros((), v.dtype))
     ks.append(jnp.transpose(k, (0, 2, 3, 1)))
     vs.append(jnp.swapaxes(v, 1, 2))
     qg = q.reshape(p, t, kvh, g, hd)

@@ -90,6 +90,26 @@ def test_capacity_tiers_never_drop_even_when_all_tokens_pick_one_expert():
   assert float(jnp.abs(y_dropless).min(axis=-1).max()) > 0
 
 
+def test_prefill_outputs_do_not_depend_on_pad_tokens_and_pad_values_are_zero():
+  """Nothing past a prompt's length reaches its outputs; the values it leaves there are zeros."""
+  model = testing.tiny_model(seed=1)
+  cfg = model.config
+  p = packed_weights.pack(moe_params.flatten(model), cfg)
+  tiers = (2 * 16,)
+  a = np.zeros((2, 16), np.int32)
+  a[0, :5], a[1, :9] = np.arange(1, 6), np.arange(10, 19)
+  b = a.copy()
+  b[0, 5:], b[1, 9:] = 258, 7  # other pad tokens
+  lengths = jnp.asarray([5, 9], jnp.int32)
+  out_a = _prefill(p, cfg, jnp.asarray(a), lengths, caps=tiers)
+  out_b = _prefill(p, cfg, jnp.asarray(b), lengths, caps=tiers)
+  np.testing.assert_array_equal(out_a[0], out_b[0])
+  for li in range(cfg.num_layers):
+    np.testing.assert_array_equal(out_a[3][li][0, :, :5], out_b[3][li][0, :, :5])
+    assert not np.asarray(out_b[3][li][0, :, 5:]).any()
+    assert not np.asarray(out_b[3][li][1, :, 9:]).any()
+
+
 def test_capacity_tiers():
   cfg = testing.tiny_config()
   assert forward.capacity_tiers(64, cfg, (1.0, 1.5), False) == (32, 48, 64)

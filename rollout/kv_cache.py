@@ -25,8 +25,10 @@ Why this layout:
     over [.., length, head_dim], which XLA runs as thousands of tiny [group x head_dim] x
     [head_dim x length] products (1.3x more tokens/s at batch 64, BENCHMARKS.md).
   * Never cleared. A slot is reused as it was left: entry s is visible to a query only when
-    s <= its position (`rollout.forward.decode_step`'s mask), so what an earlier occupant left
-    past a row's position stays hidden until it is overwritten.
+    s <= its position, so what an earlier occupant (or earlier weights) left past a row's
+    position stays hidden until it is overwritten. Hidden means selected out of both the scores
+    and the values (`rollout.forward.decode_step`), not multiplied by probability 0: 0 x NaN is
+    NaN, so a multiply would let a NaN left by bad weights poison every later occupant.
 """
 
 from __future__ import annotations

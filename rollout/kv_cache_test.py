@@ -97,5 +97,33 @@ def test_a_reused_slot_decodes_like_a_fresh_one():
   assert float(jnp.abs(fresh[0][0] - stale[0][0]).max()) > 0.1  # the caches did differ
 
 
+
+@pytest.mark.parametrize("poison", [np.nan, np.inf, 1e30])
+def test_a_slot_left_with_nan_or_inf_decodes_exactly_like_a_fresh_one(poison):
+  """Entries past the position holding NaN, inf or huge values (left by bad weights) change
+  nothing: they are selected out of scores and values, not multiplied by probability 0."""
+  model = testing.tiny_model(seed=3)
+  p = packed_weights.pack(moe_params.flatten(model), model.config)
+  caps = forward.capacity_tiers(2, model.config, (1.0,), False)
+  step = jax.jit(forward.decode_step, static_argnames=("cfg", "caps"))
+  prompt_k, prompt_v = _prompt_kv(2, 4, seed=2)
+  rows = np.arange(2, dtype=np.int32)
+  fresh = kv_cache.write_prompts(*kv_cache.allocate(CFG, 2, 16), prompt_k, prompt_v, rows, rows)
+  bad = tuple(tuple(jnp.full_like(c, poison) for c in caches)
+              for caches in kv_cache.allocate(CFG, 2, 16))
+  stale = kv_cache.write_prompts(*bad, prompt_k, prompt_v, rows, rows)
+  tokens, positions = jnp.array([5, 9], jnp.int32), jnp.array([4, 4], jnp.int32)
+  a, b = fresh, stale
+  for _ in range(3):  # several steps: each writes its entry, the rest stays poisoned
+    out_a = step(p, model.config, tokens, positions, *a, caps=caps)
+    out_b = step(p, model.config, tokens, positions, *b, caps=caps)
+    assert np.isfinite(np.asarray(out_a[0])).all()
+    np.testing.assert_array_equal(out_a[0], out_b[0])
+    np.testing.assert_array_equal(out_a[1], out_b[1])
+    a, b = out_a[2:], out_b[2:]
+    positions = positions + 1
+  np.testing.assert_array_equal(np.asarray(b[1][0][:, :, 7:]), np.float32(poison))  # still poisoned
+
+
 if __name__ == "__main__":
   sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
