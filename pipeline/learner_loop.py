@@ -55,18 +55,23 @@ class LearnerLoop:
     publish: publish(flat_weights, version) -> report; makes the new weights visible to samplers
       (e.g. a sync.publisher.Publisher wrapper).
     published_version: callable returning the newest published version (None if none).
+    hold: optional hold(flat_weights): called once the learner's weights are those of the newest
+      published version (at start, or when a replay reaches it) so that a publisher which could
+      not rebuild them from the store after a restart can use them (WeightChannel.hold).
     checkpoints: optional rl.checkpointing.CheckpointManager.
     checkpoint_every: save every this many steps (0: never).
     on_step: optional callback(step, metrics, info) after each step.
   """
 
   def __init__(self, learner, batcher: StepBatcher, *, publish: Callable,
-               published_version: Callable[[], Optional[int]], checkpoints=None,
+               published_version: Callable[[], Optional[int]],
+               hold: Optional[Callable[[dict], None]] = None, checkpoints=None,
                checkpoint_every: int = 0, on_step: Optional[Callable] = None):
     self.learner = learner
     self.batcher = batcher
     self.publish = publish
     self.published_version = published_version
+    self.hold = hold
     self.checkpoints = checkpoints
     self.checkpoint_every = checkpoint_every
     self.on_step = on_step
@@ -93,6 +98,10 @@ class LearnerLoop:
     log.info("learner restored at step %d (published version %s)", step, self.published_version())
     return True
 
+  def _hold(self) -> None:
+    if self.hold is not None:
+      self.hold(self.learner.sampler_weights()[0])
+
   def publish_current(self) -> None:
     """Publishes the current weights as the next version (the initial weights at start)."""
     t0 = time.perf_counter()
@@ -118,6 +127,8 @@ class LearnerLoop:
           f"the learner is at step {self.learner.step} but the newest published version is "
           f"{published}: every step's weights are published before its checkpoint is saved, so "
           "the weight store does not belong to this checkpoint directory")
+    if published == self.learner.step:
+      self._hold()
     if published > self.learner.step:
       log.warning("learner restored at step %d behind the published version %d: replaying "
                   "steps %d..%d from the same records without publishing them again",
@@ -144,6 +155,8 @@ class LearnerLoop:
       if version != step:
         raise VersionMismatch(f"after step {step} the learner's policy version is {version}")
       replayed = step <= published
+      if step == published:
+        self._hold()
       if not replayed:
         self.publish_current()
         published = step

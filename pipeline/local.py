@@ -52,6 +52,16 @@ class WeightChannel:
   def latest(self) -> Optional[int]:
     return self.publisher.version
 
+  def hold(self, flat: dict) -> None:
+    """Offers the learner's weights at the newest published version to a publisher that could
+    not rebuild them on restart (a damaged delta in the chain), so it can answer samplers'
+    snapshot requests and publish deltas again (sync.publisher.Publisher.hold)."""
+    if self.publisher.holds_latest:
+      return
+    if self.publisher.hold(flat):
+      log.warning("weight sync: the restarted learner's weights at version %d now back the "
+                  "publisher (it could not rebuild them from the store)", self.publisher.version)
+
   def publish(self, flat: dict, version: int):
     expect = 0 if self.publisher.version is None else self.publisher.version + 1
     if version != expect:
@@ -175,7 +185,8 @@ def run(*, learner, tasks: Sequence, pool, workdir: str, config: PipelineConfig,
   def make_loop(learner):
     batcher = StepBatcher(traj_dir, config=config, spec=spec, include_routing=include_routing)
     return LearnerLoop(learner, batcher, publish=channel.publish,
-                       published_version=channel.latest, checkpoints=checkpoints,
+                       published_version=channel.latest, hold=channel.hold,
+                       checkpoints=checkpoints,
                        checkpoint_every=checkpoint_every, on_step=on_step)
 
   loop = make_loop(learner)

@@ -121,7 +121,7 @@ def run_learner(workdir: str, model_cfg: ModelConfig, config: PipelineConfig,
                         missing_timeout_s=missing_timeout_s)
   loop = LearnerLoop(learner, batcher,
                      publish=channel.publish, published_version=channel.latest,
-                     checkpoints=ckpt, checkpoint_every=checkpoint_every,
+                     hold=channel.hold, checkpoints=ckpt, checkpoint_every=checkpoint_every,
                      on_step=lambda s, m, i: print(step_line(s, m, i), flush=True))
   if loop.restore():
     print(f"learner restored at step {learner.step}", flush=True)

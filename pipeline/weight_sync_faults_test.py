@@ -33,6 +33,7 @@ from rollout.engine import Engine
 from sync import manifest as manifest_lib
 from sync import publisher as publisher_lib
 from sync import subscriber as subscriber_lib
+from testlib import waiting
 
 TIMEOUT_S = 300.0  # bound on each wait; the machine may be loaded, a hang still fails
 
@@ -303,6 +304,61 @@ def test_learner_restarted_across_a_damaged_delta_publishes_what_it_holds(tmp_pa
   finally:
     s.close()
     restarted.publisher.close()
+
+
+class _RestoredLearner:
+  """What LearnerLoop reads of a learner restored from its checkpoint at `step` (weights ws)."""
+
+  def __init__(self, step, flat):
+    self.step = self.policy_version = step
+    self._flat = flat
+
+  def sampler_weights(self):
+    return self._flat, self.step
+
+
+def test_restarted_learner_backs_its_publisher_so_stuck_samplers_get_a_snapshot(tmp_path):
+  """The restarted learner's LearnerLoop hands its checkpointed weights (version 3 == step 3) to
+  the publisher that could not rebuild version 3, which then answers the stuck sampler's snapshot
+  request while the learner is idle (waiting for that sampler's data): no deadlock."""
+  from pipeline.learner_loop import LearnerLoop
+  work, channel = _workdir_channel(tmp_path)
+  ws = _versions(4)
+  channel.publish(ws[0], 0)
+  s = _InProcessSampler(channel, ws[0])
+  _damage_when_written(channel.store, 2)
+  for v in range(1, 4):
+    channel.publish(ws[v], v)
+  channel.publisher.close()  # the learner is killed
+  with pytest.raises(subscriber_lib.SyncError):
+    s.sub.poll()
+  assert s.sub.waiting_for_snapshot == 2
+  restarted = local.WeightChannel(channel.store.url, model_cfg=testing.MODEL)
+  try:
+    assert not restarted.publisher.holds_latest
+    assert restarted.publisher.answer_requests() is None  # nothing to answer with yet
+    loop = LearnerLoop(_RestoredLearner(3, ws[1]), batcher=None, publish=restarted.publish,
+                       published_version=restarted.latest, hold=restarted.hold)
+    loop.run(3)  # wrong weights for version 3: refused (digest), still holds nothing
+    assert not restarted.publisher.holds_latest
+    loop = LearnerLoop(_RestoredLearner(3, ws[3]), batcher=None, publish=restarted.publish,
+                       published_version=restarted.latest, hold=restarted.hold)
+    loop.run(3)  # already at its last step: it only takes stock, and backs the publisher
+    assert restarted.publisher.holds_latest
+    def reached():
+      try:
+        s.sub.poll()
+      except subscriber_lib.SyncError:
+        pass  # still stuck: the snapshot is not written yet
+      return s.engine.version == 3
+
+    waiting.wait_until(reached, "the stuck sampler to reach version 3 through the answered "
+                       "snapshot", timeout_s=120)
+    assert all((s.sub.weights[k] == ws[3][k]).all() for k in ws[3])
+  finally:
+    s.close()
+    restarted.publisher.close()
+
 
 if __name__ == "__main__":
   sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))

@@ -172,6 +172,12 @@ class Publisher:
   def version(self) -> int | None:
     return self.index.latest
 
+  @property
+  def holds_latest(self) -> bool:
+    """Whether the publisher holds the newest published version's weights (False after a
+    restart that could not rebuild them, until `hold` or the next publish)."""
+    return self.index.latest is None or self._prev is not None
+
   def close(self) -> None:
     """Stops the request-answering thread (if any)."""
     self._closed.set()
