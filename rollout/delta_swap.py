@@ -12,6 +12,8 @@ the one place that holds the digest naming the held version and the all-or-nothi
     so a blob for another parent version is refused;
   * a damaged blob, one for another parent, or one whose result would not fit the model raises
     (delta.DeltaError / ValueError) before anything changes;
+  * a result that fails `rollout.weight_checks` (non-finite values, a tensor's scale 100x off
+    the held version's) is refused by `Engine.prepare_weights` and the delta reversed;
   * if the swap fails after the apply, the delta is reversed so the held arrays are the served
     version again.
 """
@@ -25,6 +27,7 @@ import jax
 import numpy as np
 
 from rollout import packed_weights
+from rollout import weight_checks
 
 
 class DeltaSwapper:
@@ -56,10 +59,14 @@ class DeltaSwapper:
         self._chunk_elems = head["chunk_elems"]
         self._digest = sync_weights.digest(self._held, self._chunk_elems)
       held, digest = self._held, self._digest
+      # The scale reference for the weight checks, measured before the apply writes into the
+      # held arrays (which may be the served ones: comparing them after would compare the new
+      # values with themselves).
+      reference = weight_checks.rms(held)
       new_flat, stats = delta.apply_inplace(held, blob, expect_parent=digest)
       decoded = time.perf_counter() - t0
       try:
-        prepared = engine.prepare_weights(new_flat)
+        prepared = engine.prepare_weights(new_flat, reference_rms=reference)
         _unalias(prepared, held)
         out = engine.swap_weights(prepared, version)
       except BaseException:

@@ -222,14 +222,25 @@ class Engine:
                             stop=tuple(stop), seed=seed, ignore_eos=ignore_eos)
     return self.submit(prompt_token_ids, params, timeout=timeout).result()
 
-  def prepare_weights(self, flat: Mapping[str, np.ndarray]) -> "PreparedWeights":
-    """Validates and packs weights for a later `swap_weights` (no effect on serving).
+  def prepare_weights(self, flat: Mapping[str, np.ndarray], *,
+                      reference_rms: Optional[Mapping[str, float]] = None) -> "PreparedWeights":
+    """Validates, checks and packs weights for a later `swap_weights` (no effect on serving).
+
+    Every swap path comes through here, so bad weights are refused before anything changes:
+    names and shapes must match the served model, and `rollout.weight_checks` refuses
+    non-finite values and tensors whose RMS is off the served one's by more than 100x.
+    `reference_rms` ({name: RMS}) replaces the served weights as the scale reference (a delta
+    swap measures the held arrays before writing into them).
 
     Raises:
-      ValueError: names or shapes do not match the served model.
+      ValueError: naming the tensor and what is wrong with it.
     """
+    from rollout import weight_checks  # pylint: disable=import-outside-toplevel
     t0 = time.perf_counter()
     flat = dict(flat)
+    if reference_rms is None:
+      reference_rms = weight_checks.rms(self._flat)
+    weight_checks.check(flat, self.model_config, reference_rms)
     packed = packed_weights.pack(flat, self.model_config, self.config.dtype)
     jax.block_until_ready(packed)
     return PreparedWeights(packed, flat, time.perf_counter() - t0)

@@ -10,9 +10,11 @@ import sys
 import threading
 import time
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from rollout import packed_weights
 from rollout import testing
 from rollout.engine import Engine, EngineConfig
 from rollout.engine_types import PreparedWeights
@@ -131,6 +133,72 @@ def test_swap_with_nothing_in_flight_returns_without_a_first_call(model):
     assert c.policy_versions == [1, 1, 1]
   finally:
     eng.stop()
+
+
+
+def _greedy(eng, prompt=(5, 17, 200, 3)):
+  return eng.generate(list(prompt), max_tokens=20, temperature=0.0, ignore_eos=True,
+                      timeout=TIMEOUT_S)[0]
+
+
+def test_a_refused_swap_keeps_the_old_weights_serving_exactly(model):
+  from sync import delta  # pylint: disable=import-outside-toplevel
+  eng = _engine(model)
+  try:
+    before = _greedy(eng)
+    base = eng.current_flat()
+    rng = np.random.default_rng(0)
+    nan = {k: np.full_like(v, np.nan) for k, v in base.items()}
+    scaled = {k: rng.standard_normal(v.shape).astype(np.float32) * 1e3 for k, v in base.items()}
+    one_inf = dict(base)
+    one_inf["layers/0/ffn/experts/up"] = base["layers/0/ffn/experts/up"].copy()
+    one_inf["layers/0/ffn/experts/up"][1, 2, 3] = np.inf
+    with pytest.raises(ValueError, match="non-finite"):
+      eng.swap_weights(nan, 1)
+    with pytest.raises(ValueError, match="x the served"):
+      eng.swap_weights(scaled, 1)
+    with pytest.raises(ValueError, match="layers/0/ffn/experts/up holds 1 non-finite"):
+      eng.swap_delta(delta.encode(base, one_inf), 1)
+    with pytest.raises(ValueError, match="x the served"):
+      eng.swap_delta(delta.encode(base, scaled), 1)
+    assert eng.version == 0 and eng.current_flat() is base
+    after = _greedy(eng)
+    assert after.token_ids == before.token_ids and after.logprobs == before.logprobs
+    assert after.policy_versions == [0] * 20
+    # The refused delta was reversed: the next delta for the served version applies.
+    ok = {k: (v * np.float32(1.01)).astype(v.dtype) for k, v in base.items()}
+    assert eng.swap_delta(delta.encode(base, ok), 1)["version"] == 1
+  finally:
+    eng.stop()
+
+
+def test_after_nan_weights_and_a_nan_cache_good_weights_decode_like_a_clean_engine(model):
+  """What NaN weights (swapped in past the checks) leave in the KV cache cannot reach later
+  requests: decode selects entries past a sequence's position out, so 0 x NaN never happens."""
+  clean = _engine(model)
+  try:
+    want = [_greedy(clean, p) for p in ((5, 17, 200, 3), (9,) * 11, (1, 2))]
+  finally:
+    clean.stop()
+  eng = _engine(model)
+  try:
+    good = eng.current_flat()
+    nan = {k: np.full_like(v, np.nan) for k, v in good.items()}
+    bad = PreparedWeights(packed_weights.pack(nan, model.config, eng.config.dtype), nan, 0.0)
+    eng.swap_weights(bad, 1)  # past the checks, as an engine without them would have taken it
+    poisoned = eng.generate([3] * 40, max_tokens=20, temperature=0.0, ignore_eos=True,
+                            timeout=TIMEOUT_S)[0]
+    assert np.isnan(poisoned.logprobs).all()
+    eng.swap_weights(good, 2)  # bad served weights do not block the swap that replaces them
+    # And every entry of the cache NaN too (the engine thread is idle between requests).
+    eng._ck = tuple(jnp.full_like(c, jnp.nan) for c in eng._ck)  # pylint: disable=protected-access
+    eng._cv = tuple(jnp.full_like(c, jnp.nan) for c in eng._cv)  # pylint: disable=protected-access
+    got = [_greedy(eng, p) for p in ((5, 17, 200, 3), (9,) * 11, (1, 2))]
+  finally:
+    eng.stop()
+  for g, w in zip(got, want):
+    assert g.token_ids == w.token_ids
+    np.testing.assert_allclose(g.logprobs, w.logprobs, atol=testing.ATOL)
 
 
 if __name__ == "__main__":
