@@ -255,6 +255,10 @@ class Admin:
     """The resolved checkpoint directory for `value`, or BadRequest if it is outside the root."""
     if not isinstance(value, str) or not value or len(value) > MAX_PATH_CHARS or "\0" in value:
       raise protocol.BadRequest("'checkpoint' must be a directory path")
+    try:
+      value.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: no file system path can name it
+      raise protocol.BadRequest("'checkpoint' is not valid Unicode") from None
     path = os.path.realpath(os.path.join(self.checkpoint_root, value))
     if os.path.commonpath([self.checkpoint_root, path]) != self.checkpoint_root:
       raise protocol.BadRequest("'checkpoint' must be a directory under the server's "
@@ -313,5 +317,5 @@ class Admin:
       try:
         out = await loop.run_in_executor(None, self.engine.swap_delta, blob, version)
       except ValueError as e:  # sync.delta.DeltaError is a ValueError
-        return json_error(400, f"cannot apply delta: {type(e).__name__}: {e}")
+        return json_error(400, f"cannot apply delta: {e}")  # our messages, for the client
     return web.json_response(out)

@@ -301,7 +301,7 @@ def test_checkpoints_outside_the_root_or_unloadable_reveal_nothing(live, root, t
     assert status == 400, (path, out)
     unloadable.add(_message(out))
   assert unloadable == {"cannot load checkpoint: see the server log"}
-  for bad in ("", "a\0b", "x" * 5000, 3, None):
+  for bad in ("", "a\0b", "x" * 5000, 3, None, "ckpt\ud800"):
     status, out = _swap(live, {"checkpoint": bad, "version": v + 1})
     assert status == 400 and "'checkpoint'" in _message(out), bad
   assert eng.version == v
