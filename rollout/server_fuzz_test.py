@@ -358,7 +358,7 @@ def test_admin_fuzz(live, baseline, ckpts):
   nan_blob = delta.encode(base, {k: np.full_like(v, np.nan) for k, v in base.items()})
   rng = random.Random(f"{SEED}-admin")
   client = _Client(live.admin_port)
-  for i in range(PER_CLASS * 2):
+  for i in range(PER_CLASS * 7):  # 7 kinds of bad admin request, about PER_CLASS each
     method, path, body, headers, what = _admin_requests(rng, blob, nan_blob, ckpts, version0)
     status, data = client.send(method, path, body, headers, what=f"admin {what}")
     assert status >= 400, f"admin accepted {what}: {data[:300]!r}"
