@@ -11,11 +11,12 @@ it is wrong, and comparing later decodes against it loses the rest of the stream
 run of U+FFFD is held back until a later token settles it (a byte that is really invalid stays
 U+FFFD and is released with the next settled character, or by `finish`).
 
-Stop strings: the engine cuts a completion's text before the first stop string and decodes the
-whole sequence to find it; a stop string can start in text already decoded and end in tokens not
-yet sampled. Text is therefore released only up to the last `max(len(stop)) - 1` characters,
-which no stop string found later can reach back into (a stop string that lies wholly inside the
-decoded text would already have ended the completion).
+Stop strings: after each chunk the engine decodes the whole sequence; the first stop string
+completed ends the completion, whose tokens run up to the one that completed it and whose text stops
+before it (`rollout.outputs.find_stop`). A stop string can start in text already decoded and end in
+tokens not yet sampled. Text is therefore released only up to the last `max(len(stop)) - 1`
+characters, which no stop string found later can reach back into (a stop string that lies wholly
+inside the decoded text would already have ended the completion).
 
 Assumes the tokenizer's decode is prefix-stable: the decode of a sequence, less its trailing
 U+FFFD, begins the decode of any longer sequence. Byte-level vocabularies (`ByteLevel`, GPT-2

@@ -15,6 +15,7 @@ import transformers
 
 from moe.tokenizer import ByteTokenizer
 from rollout import detokenize
+from rollout import outputs
 from rollout import tokenizers
 
 FFFD = detokenize.REPLACEMENT
@@ -85,9 +86,10 @@ def test_pieces_equal_the_final_text(name, seed, hf_tok):
 @pytest.mark.parametrize("name", TOKENIZERS)
 @pytest.mark.parametrize("seed", range(40))
 def test_pieces_equal_the_final_text_with_stop_strings(name, seed, hf_tok):
-  """The engine's rule (`Engine._check_stop_strings`): after each chunk it decodes all tokens;
-  the first stop string found ends the completion with the text before it. The chunk that ends
-  a completion is not pushed (the server sends the rest from the completion's text)."""
+  """The engine's rule (`rollout.outputs.find_stop`, called after each chunk): the first stop
+  string completed ends the completion, which keeps the tokens up to the one that completed it,
+  with the text before the stop string. The chunk that ends a completion is not pushed (the
+  server sends the rest from the completion's text)."""
   tok = _tokenizer(name, hf_tok)
   rng = random.Random(1000 + seed)
   ids = _random_ids(tok, rng, tok.vocab_size)
@@ -99,13 +101,18 @@ def test_pieces_equal_the_final_text_with_stop_strings(name, seed, hf_tok):
   pieces, seen, final = [], [], None
   for chunk in _chunks(ids, rng):
     seen += chunk
-    text = tok.decode(seen)
-    hits = [text.find(s) for s in stop if s in text]
-    if hits:
-      final = text[:min(hits)]
+    found = outputs.find_stop(seen, tok.decode, stop)
+    if found is not None:
+      kept, final = found
+      # The kept tokens are never fewer than those pushed (streamed) before this chunk, and
+      # their text is the completion's text followed by the stop string they complete.
+      assert kept > len(seen) - len(chunk)
+      rest = tok.decode(seen[:kept])
+      assert rest.startswith(final) and any(rest[len(final):].startswith(s) for s in stop)
+      assert not any(s in tok.decode(seen[:kept - 1]) for s in stop)
       break
     pieces.append(inc.push(chunk))
-    settled = text.rstrip(FFFD)
+    settled = tok.decode(seen).rstrip(FFFD)
     assert inc.sent == settled[:max(0, len(settled) - hold)]
   if final is None:
     final = tok.decode(ids)

@@ -8,7 +8,9 @@ and turning tokens into results (stop strings, streams, Completions) is `rollout
 What:
   * `Engine(model, config=EngineConfig(...))` serves a `MoEDecoder` (or `Engine.from_flat`).
   * `engine.generate(prompt_token_ids, *, n, max_tokens, temperature, stop_token_ids, seed, ...)`
-    -> list[Completion] (blocking, in-process entry point for the environments harness).
+    -> list[Completion] (blocking, in-process entry point for the environments harness). A
+    completion ended by a stop string keeps, in `token_ids`, every token up to and including the
+    one that completes it; its `text` stops before it (`rollout.outputs.find_stop`).
   * `engine.submit(prompt_token_ids, SamplingParams(...)) -> RequestHandle` (non-blocking; the
     handle has `.result()`, `.future` for asyncio, `.cancel()`, and an optional per-chunk
     `on_tokens` callback for streaming) and `engine.submit_batch` for the RL controller.

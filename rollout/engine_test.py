@@ -109,6 +109,62 @@ def test_stop_token_and_stop_string(engine):
   assert stop not in engine.tokenizer.decode(c.token_ids[:-1])
 
 
+def _multi_token_stop(tok, toks, k):
+  """A stop string written by tokens toks[i:i + k] (k ASCII bytes, one character each) whose
+  first occurrence in the text starts there; (i, stop), or None."""
+  text = tok.decode(toks)
+  for i in range(1, len(toks) - k):
+    if all(t < 128 for t in toks[i:i + k]):
+      stop = tok.decode(toks[i:i + k])
+      if text.find(stop) == len(tok.decode(toks[:i])):
+        return i, stop
+  return None
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_a_multi_token_stop_string_keeps_the_tokens_that_wrote_it(engine, k):
+  """Token-in/token-out: a completion ended by a stop string the model wrote over k tokens keeps
+  all k of them (with their logprobs, routing and versions), not just the one where it begins;
+  its text stops before it. Sampled with seeds, so the stop lands in decode chunks anywhere."""
+  tok = engine.tokenizer
+  found = 0
+  for seed in range(12):
+    free, = engine.generate(PROMPTS[0], max_tokens=40, temperature=1.0, seed=seed)
+    hit = _multi_token_stop(tok, free.token_ids, k)
+    if hit is None:
+      continue
+    found += 1
+    i, stop = hit
+    c, = engine.generate(PROMPTS[0], max_tokens=40, temperature=1.0, seed=seed, stop=[stop])
+    assert c.finish_reason == "stop"
+    assert c.token_ids == free.token_ids[:i + k], (seed, stop)
+    assert c.text == tok.decode(free.token_ids[:i])
+    assert tok.decode(c.token_ids) == c.text + stop
+    assert c.logprobs == free.logprobs[:i + k]
+    assert c.policy_versions == free.policy_versions[:i + k]
+    np.testing.assert_array_equal(c.routing, free.routing[:, :i + k])
+  assert found >= 3, "too few seeds wrote a usable stop string (the model and seeds are fixed)"
+
+
+def test_the_first_stop_string_completed_ends_it():
+  """A stop string that starts later but is completed earlier (in one chunk) wins, and a stop
+  string that starts and ends inside tokens keeps the token that completes it."""
+  from rollout import outputs
+
+  pieces = ["ab", "c\n", "\nd", "ef"]
+
+  def decode(ids):
+    return "".join(pieces[i] for i in ids)
+
+  assert outputs.find_stop([0, 1, 2, 3], decode, ["\n\n"]) == (3, "abc")
+  assert outputs.find_stop([0, 1, 2, 3], decode, ["bc\n\nde", "d"]) == (3, "abc\n\n")
+  assert outputs.find_stop([0, 1, 2, 3], decode, ["x"]) is None
+  chars = list(b"abcd")
+  tok = tokenizers.ByteLevel(259)
+  assert outputs.find_stop(chars, tok.decode, ["abcd", "c"]) == (3, "ab")
+  assert outputs.find_stop(chars, tok.decode, ["a"]) == (1, "")
+
+
 def test_cancel_and_timeout_free_their_slots(engine):
   h = engine.submit(PROMPTS[0], SamplingParams(max_tokens=50, temperature=1.0))
   h.cancel()

@@ -69,14 +69,16 @@ class Completion:
   """One generated completion.
 
   Attributes:
-    token_ids: generated tokens (a stop token that ended the completion is included).
+    token_ids: generated tokens (a stop token that ended the completion is included, and so are
+      the tokens up to the one that completed a stop string that ended it).
     logprobs: log-probability of each token under the distribution it was sampled from.
     routing: [moe_layers, T, k] experts of the forward step that produced each token (the step
       whose input was the previous token; for token 0 the prompt's last token). None for dense
       models.
     policy_versions: weight version that produced each token.
     finish_reason: "stop" (stop token or string), "length", "cancelled" or "timeout".
-    text: decoded text (stop strings and the tokens after them removed) if a tokenizer is set.
+    text: decoded text if a tokenizer is set; a completion ended by a stop string has the text
+      before it, while `token_ids` keep the tokens that wrote it (`rollout.outputs.find_stop`).
     prompt_routing: [moe_layers, P - 1, k] experts of prompt positions 0..P-2, so that
       concatenating it with `routing` along axis 1 replays routing for the learner's forward on
       prompt + token_ids[:-1].

@@ -1,7 +1,8 @@
 """A request's results on the host: tokens appended, stop strings, stream flushes, Completions.
 
 What: the engine thread hands each completion's new tokens to `append` and, when a completion
-ends, sets its text (`final_text`); `cut_at_stop_string` ends one at its first stop string;
+ends, sets its text (`final_text`); `cut_at_stop_string` ends one at its first stop string
+(keeping every token up to the one that completes it; `find_stop` states the rule);
 `flush_stream` passes what a streaming consumer has not seen to its `on_tokens` callback; and
 `completions` builds a finished request's `Completion`s. None of it touches device state or
 slots, which stay `rollout.engine`'s; split out so the serving loop reads on its own.
@@ -31,23 +32,53 @@ def append(h: RequestHandle, s: Sample, tokens, logprobs, routing, version: int,
   s.versions.extend([version] * len(tokens))
 
 
+def find_stop(tokens, decode, stop) -> Optional[tuple]:
+  """Where the first stop string ends `tokens`: (tokens kept, text), or None if none occurs.
+
+  The rule (exact token-in/token-out): the tokens kept are the shortest prefix whose text holds
+  a stop string, i.e. every sampled token up to and including the one that completes the first
+  stop string to be completed, and nothing after it. The model did sample those tokens, with
+  their logprobs, routing and versions, so the learner trains on exactly what it produced. The
+  text is OpenAI's: that prefix's text up to where its earliest stop string begins. So
+  `decode(tokens kept)` is `text + stop string`, plus whatever follows the stop string inside
+  the completing token (a token that holds the stop string's end and more text).
+
+  The scan runs back from the end, one shorter prefix at a time, while the text still holds a
+  stop string: an engine calls this after each chunk, so only the chunk's tokens can complete a
+  match, and the scan stops at the previous chunk's length at the latest (its text held none).
+  It therefore never drops a token an earlier chunk already streamed, and the result does not
+  depend on how tokens were chunked for a prefix-stable decode (`rollout.detokenize`).
+
+  Args:
+    tokens: the completion's token ids so far.
+    decode: ids -> text.
+    stop: the stop strings (non-empty).
+  """
+  text = decode(tokens)
+  if not any(x in text for x in stop):
+    return None
+  j = len(tokens)
+  while j > 1:
+    shorter = decode(tokens[:j - 1])
+    if not any(x in shorter for x in stop):
+      break
+    j, text = j - 1, shorter
+  return j, text[:min(text.find(x) for x in stop if x in text)]
+
+
 def cut_at_stop_string(h: RequestHandle, s: Sample, tokenizer) -> bool:
   """If the text holds one of the request's stop strings, ends it there; returns whether it did.
 
-  Keeps the shortest token prefix whose text reaches the first stop string, and sets `s.text` to
-  the text before it.
+  Keeps the tokens (and their logprobs, routing, versions, alternatives) up to and including the
+  one that completes the first stop string, and sets `s.text` to the text before that stop
+  string (`find_stop` states the rule).
   """
-  text = tokenizer.decode(s.tokens)
-  hits = [text.find(x) for x in h.params.stop if x in text]
-  if not hits:
+  found = find_stop(s.tokens, tokenizer.decode, h.params.stop)
+  if found is None:
     return False
-  cut = min(hits)
-  for j in range(1, len(s.tokens) + 1):
-    if len(tokenizer.decode(s.tokens[:j])) > cut:
-      break
+  j, s.text = found
   for lst in (s.tokens, s.logprobs, s.routing, s.versions, s.top):
     del lst[j:]
-  s.text = text[:cut]
   return True
 
 

@@ -342,6 +342,37 @@ def test_streamed_text_equals_plain_text_with_multibyte_text(client, live, stop)
     assert splits, "no chunk boundary split a character"
 
 
+def test_a_multi_token_stop_string_streams_the_ids_that_wrote_it(client, live):
+  """A stop string the model writes over several tokens: plain and streamed choices both return
+  the ids up to the one that completes it (decoding to the text plus the stop string), and the
+  streamed ids and text add up to the plain ones. Seeded sampling, so stops land anywhere in
+  the engine's 4-token chunks."""
+  tok = live.server.tokenizer
+  checked = 0
+  for seed in range(10):
+    kw = dict(model="tiny", prompt="Hi there", max_tokens=40, temperature=1.0, seed=seed)
+    free = client.completions.create(**kw).choices[0].model_extra["token_ids"]
+    text = tok.decode(free)
+    at = next((i for i in range(1, len(free) - 3) if all(t < 128 for t in free[i:i + 3]) and
+               text.find(tok.decode(free[i:i + 3])) == len(tok.decode(free[:i]))), None)
+    if at is None:
+      continue
+    checked += 1
+    stop = tok.decode(free[at:at + 3])
+    plain = client.completions.create(stop=[stop], **kw).choices[0]
+    ids = plain.model_extra["token_ids"]
+    assert plain.finish_reason == "stop" and ids == free[:at + 3], (seed, stop)
+    assert tok.decode(ids) == plain.text + stop
+    assert len(plain.logprobs.token_logprobs) == len(plain.model_extra["policy_versions"]) == 3 + at
+    assert len(plain.model_extra["routing"][0]) == len(ids)
+    toks, streamed = [], ""
+    for chunk in client.completions.create(stream=True, stop=[stop], **kw):
+      toks += chunk.choices[0].model_extra.get("token_ids") or []
+      streamed += chunk.choices[0].text
+    assert toks == ids and streamed == plain.text, seed
+  assert checked >= 3, "too few seeds wrote a usable stop string (the model and seeds are fixed)"
+
+
 def test_health_answers_while_a_prompt_is_tokenized(live):
   """Tokenizing (and parsing) runs off the event loop: a slow one does not block /health."""
   entered, gate = threading.Event(), threading.Event()

@@ -8,7 +8,9 @@ reason, policy versions, routing), then `data: [DONE]`. The engine thread feeds 
 Text: each choice's text goes through `rollout.detokenize.IncrementalText`, so the streamed
 pieces concatenated equal the non-streamed text exactly, however tokens split characters and
 stop strings. A chunk that ends its choice carries no text (the engine may drop the stop token's
-text or cut at a stop string); the final event carries the rest.
+text or cut at a stop string); the final event carries the rest. Token ids need no such care: a
+stop string ends a completion at the token that completes it, which is in the chunk that ended
+it, so the engine never takes back ids already streamed (`rollout.outputs.find_stop`).
 
 Deadline: if the choices have not all ended by `deadline` (loop time; the request's timeout
 plus a grace, for an engine loop that is stuck), the handles are cancelled and every unfinished

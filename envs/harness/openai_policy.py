@@ -19,8 +19,9 @@ exactly the harness's tokens; `send_token_ids=False` sends text for servers that
 Stop strings: servers leave the matched stop string out of `text`. Nothing non-standard is sent
 to keep it, because strict servers (the project's, OpenAI's) refuse unknown fields; vLLM and
 SGLang keep it when given `extra_body={"include_stop_str_in_output": True}`. The project's
-server keeps, in `token_ids`, the tokens up to the one where the stop string begins, so the
-model's part of the stop string is in the decoded ids. Whatever part is missing is reported as
+server keeps, in `token_ids`, every token up to the one that completes the stop string, so the
+whole stop string is in the decoded ids (with any text its last token carries after it). Whatever
+part is missing (from servers that return less) is reported as
 `Completion.stop_appended` so that the harness adds it as template tokens (not the model's:
 they have no logprobs) and the parser sees the whole stop string.
 
@@ -163,9 +164,11 @@ def parse_choice(c: dict, tokenizer: Any, stop: Sequence[str] = ()) -> policy_li
   comp = policy_lib.Completion(token_ids=own, text=text, logprobs=logprobs, routing=routing,
                                policy_versions=versions, finish_reason=finish)
   if finish == "stop" and stop and not any(text.endswith(s) for s in stop):
-    # What the model wrote of the stop string: the decoded ids beyond the server's text.
+    # What the model wrote of the stop string: the decoded ids beyond the server's text. A
+    # whole stop string there (its last token went on past it) needs nothing added.
     written = text[len(server_text):] if exact and text.startswith(server_text) else ""
-    comp.stop_appended = _missing_stop(text, stop, written)
+    if not any(s in written for s in stop):
+      comp.stop_appended = _missing_stop(text, stop, written)
   return comp
 
 

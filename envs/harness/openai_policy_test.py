@@ -182,6 +182,12 @@ def test_partial_stop_string_in_the_ids_is_completed_once():
   assert openai_policy.parse_choice(whole, TOK, stop=["\n\n"]).stop_appended == "\n\n"
   kept = _choice(finish_reason="stop", token_ids=list(b"a\n\n"), text="a\n\n", routing=None)
   assert openai_policy.parse_choice(kept, TOK, stop=["\n\n"]).stop_appended == ""
+  # The project's server: the ids run to the token that completes the stop string, which may
+  # carry text past it; the stop string is there once, nothing is added.
+  past = _choice(finish_reason="stop", token_ids=list(b"a\n\nb"), text="a", routing=None,
+                 logprobs={"token_logprobs": [-0.5] * 4}, policy_versions=[4] * 4)
+  comp = openai_policy.parse_choice(past, TOK, stop=["\n\n"])
+  assert comp.text == "a\n\nb" and comp.stop_appended == ""
 
 
 if __name__ == "__main__":
