@@ -134,10 +134,13 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
   Each RL step's record has, besides the learner's metrics, the mean reward and pass rate of its
   groups, `reward_std` (the mean over its groups of the rewards' standard deviation within the
   group) and `signal_groups` (groups with a non-zero GRPO advantage; the others add nothing to
-  the policy gradient).
+  the policy gradient), `zero_variance_groups` (groups whose valid attempts all got the same
+  reward; `zero_variance_filtered` of them were left out of the batch when the pipeline filters
+  them) and `hack_flagged` (attempts envs.hacks flagged, their rewards penalised).
 
   summary["rl"] holds the RL phase's totals: steps, groups written, episodes trained, episodes
-  masked as infrastructure failures, and the final policy version (what shows RL trained).
+  masked as infrastructure failures, zero-variance groups (and filtered ones), attempts flagged
+  for reward hacking, and the final policy version (what shows RL trained).
 
   With evaluate=False only the training phases run (the `//tools:train` entry point).
   """
@@ -177,6 +180,7 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
     r = cfg.rl
     rl_learner = make_rl_learner(cfg, model, mesh)
     rl_totals = {"steps": 0, "groups": 0, "trained_episodes": 0, "infra_failures": 0,
+                 "zero_variance_groups": 0, "zero_variance_filtered": 0, "hack_flagged": 0,
                  "policy_version": rl_learner.policy_version}
     step_groups: dict = {}
 
@@ -194,6 +198,9 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
                  pass_rate=float(np.mean(passed)) if passed else 0.0,
                  reward_std=float(np.mean(stds)) if stds else 0.0,
                  signal_groups=info["signal_groups"],
+                 zero_variance_groups=info["zero_variance_groups"],
+                 zero_variance_filtered=info["zero_variance_filtered"],
+                 hack_flagged=info["hack_flagged"],
                  staleness_mean=info["mean_lag"], staleness_max=info["max_lag"],
                  trained_episodes=info["trained_episodes"], learner_wait_s=info["wait_s"],
                  gen_tokens=sum(g.gen_tokens for g in groups),
@@ -212,6 +219,9 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
       rl_totals = {"steps": result.steps, "groups": result.groups,
                    "trained_episodes": result.batcher["trained_episodes"],
                    "infra_failures": result.batcher["infra_failures"],
+                   "zero_variance_groups": result.batcher["zero_variance_groups"],
+                   "zero_variance_filtered": result.batcher["zero_variance_filtered"],
+                   "hack_flagged": result.batcher["hack_flagged"],
                    "policy_version": rl_learner.policy_version}
       echo(f"RL: {result.steps} steps, {result.groups} groups in {result.wall_s:.0f}s "
            f"(learner waited {result.learner_wait_s:.0f}s, trained {result.learner_train_s:.0f}s)")

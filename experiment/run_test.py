@@ -59,6 +59,12 @@ def test_tiny_experiment_end_to_end(tmp_path):
   experiment_testing.assert_trained(str(tmp_path), cfg)
   experiment_testing.assert_learned_from_rewards(str(tmp_path), cfg)
   assert summary["rl"]["trained_episodes"] == 2 * 8  # 2 steps x 2 prompts x 4 attempts
+  # Groups without signal and flagged attempts: per step in metrics.jsonl, totalled in summary.
+  rl_steps = [r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if r["phase"] == "rl"]
+  for key in ("zero_variance_groups", "zero_variance_filtered", "hack_flagged"):
+    assert summary["rl"][key] == sum(r[key] for r in rl_steps), key
+  assert summary["rl"]["zero_variance_filtered"] == 0  # filtering is off by default
+  assert all(r["zero_variance_groups"] + r["signal_groups"] <= 2 for r in rl_steps)
   assert any("pass@1 before RL" in l for l in lines)
 
 

@@ -27,6 +27,20 @@ class PipelineConfig:
       this many times in all before its attempts are recorded as infrastructure failures.
     request_timeout_s: a sampler request that takes longer is abandoned and retried.
     seed: seeds the task order and every request's sampling seed.
+    filter_zero_variance_groups: dynamic sampling (DAPO): a group whose valid attempts all got
+      the same reward has GRPO advantage 0 on every token, so it adds no policy gradient, yet
+      under token-mean aggregation its tokens enlarge the denominator and shrink the update of
+      the groups that do carry signal (and a KL term would still train on them). With this on,
+      the learner leaves such groups out of the step's batch; their records are still consumed
+      by their own step, so step boundaries, record counts and resumption are unchanged.
+      Either way they are counted per step (`zero_variance_groups`). Off by default: DAPO
+      refills the batch by sampling more prompts, which an exact record count per step cannot
+      do, so filtering makes a step's trained episodes (and its effective batch) depend on the
+      rewards; runs opt in. A step whose groups are all zero-variance is trained unfiltered (all
+      advantages 0, as with this off) rather than left empty, which the learner refuses
+      (pipeline.learner_loop.EmptyStepError). Reward hacking is penalised where rewards are
+      made (envs.reward.RewardConfig.hack_penalty / zero_on_hack) and counted per step
+      (`hack_flagged`).
   """
 
   max_staleness: int = 2
@@ -42,6 +56,7 @@ class PipelineConfig:
   max_request_attempts: int = 3
   request_timeout_s: float = 300.0
   seed: int = 0
+  filter_zero_variance_groups: bool = False
 
   def __post_init__(self):
     def need(cond, msg):

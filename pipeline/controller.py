@@ -246,7 +246,7 @@ class RolloutController:
         hacked += bool(g.hack_flags)
         eps.append(episodes_lib.from_completion(
             group_id=gid, episode_id=eid, group_size=n, prompt_ids=prompt_ids, completion=comp,
-            reward=g.reward if ok else None, infra_failure=not ok))
+            reward=g.reward if ok else None, infra_failure=not ok, hack_flags=g.hack_flags))
         rewards.append(g.reward if ok else None)
         passed.append(bool(ok and g.test_reward == 1.0))
       result = GroupResult(

@@ -17,6 +17,7 @@ import tempfile
 
 import pytest
 
+from envs import reward as reward_lib
 from envs.sandbox import pool as pool_lib
 from moe import build
 from moe import params as moe_params
@@ -25,7 +26,9 @@ from pipeline import controller as controller_lib
 from pipeline import samplers as samplers_lib
 from pipeline import testing
 from pipeline.local import group_sink
+from pipeline.step_batches import StepBatcher
 from rl import trajectory_io
+from rl.episodes import ValidationSpec
 from rollout.engine import Engine
 
 
@@ -143,6 +146,38 @@ def test_a_persistent_write_error_stops_the_run_naming_path_and_error(tmp_path, 
   s = ctl.summary()
   assert s["groups_written"] == 0 and s["write_retries"] == 2 and s["episodes_written"] == 0
   assert s["episodes_lost"] == s["episodes_generated"] >= 4
+
+
+def test_a_hacking_attempt_is_penalised_and_counted_in_its_step(tmp_path, sampler, pool):
+  """Group 0's attempts also add a conftest.py (envs.hacks flags conftest_added): real
+  grading gives them reward 0 - hack_penalty before any advantage, the records carry the flags,
+  and the learner's step counts them. Group 1's solutions are graded as they are."""
+  d = str(tmp_path / "trajectories")
+  writer = trajectory_io.TrajectoryWriter(d, "ctl", records_per_shard=4)
+  tasks, cfg = testing.tasks(2), testing.config()
+  hacked_task = controller_lib.RolloutController(
+      tasks, None, None, lambda eps: None, config=cfg).task_for(0).task_id
+
+  def grade(task, files, pool, config):
+    if task.task_id == hacked_task:
+      files = dict(files, **{"conftest.py": "import sys\n"})
+    return reward_lib.grade(task, files, pool=pool, config=config)
+
+  ctl = controller_lib.RolloutController(
+      tasks, sampler, pool, group_sink(writer), config=cfg, grade_fn=grade,
+      reward_config=reward_lib.RewardConfig(hack_penalty=0.5))
+  assert ctl.run(num_steps=1) == 2
+  writer.close()
+  recs = _records(d)
+  hacked = [r for r in recs if r["group_id"].endswith(hacked_task)]
+  clean = [r for r in recs if not r["group_id"].endswith(hacked_task)]
+  assert len(hacked) == len(clean) == 4
+  assert all(r["reward"] == -0.5 and "conftest_added" in r["hack_flags"] for r in hacked), hacked
+  assert all(0.0 <= r["reward"] <= 1.0 and r["hack_flags"] == [] for r in clean), clean
+  spec = ValidationSpec(vocab_size=testing.MODEL.vocab_size, max_len=cfg.seq_len)
+  _, info = StepBatcher(d, config=cfg, spec=spec, include_routing=False).next_batch(0)
+  assert info["episodes"] == 8 and info["hack_flagged"] == 4
+  assert info["zero_variance_groups"] >= 1  # the hacked group's rewards are all -0.5
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ def _routing(prompt_routing: Optional[np.ndarray], routing: Optional[np.ndarray]
 
 def from_completion(*, group_id: str, episode_id: str, group_size: int,
                     prompt_ids: Sequence[int], completion, reward: Optional[float],
-                    infra_failure: bool = False) -> Episode:
+                    infra_failure: bool = False, hack_flags: Sequence[str] = ()) -> Episode:
   """An Episode for one attempt.
 
   Args:
@@ -42,7 +42,10 @@ def from_completion(*, group_id: str, episode_id: str, group_size: int,
     reward: the graded reward; None only with infra_failure.
     infra_failure: the attempt was lost to infrastructure: kept so the group completes, masked out
       of advantages and training, never scored as 0.
+    hack_flags: the `envs.hacks` flags grading raised (the reward already carries the penalty);
+      recorded so the learner counts them per step.
   """
+  hack_flags = tuple(sorted(str(f) for f in hack_flags))
   prompt_ids = [int(t) for t in prompt_ids]
   if completion is None or not completion.token_ids:
     if not infra_failure:
@@ -51,7 +54,8 @@ def from_completion(*, group_id: str, episode_id: str, group_size: int,
     return Episode(group_id=group_id, episode_id=episode_id, group_size=group_size,
                    tokens=np.asarray(prompt_ids, np.int32), loss_mask=np.zeros(n, np.int8),
                    behaviour_logprobs=np.zeros(n, np.float32),
-                   policy_versions=np.zeros(n, np.int32), reward=0.0, infra_failure=True)
+                   policy_versions=np.zeros(n, np.int32), reward=0.0, infra_failure=True,
+                   hack_flags=hack_flags)
   gen = [int(t) for t in completion.token_ids]
   total = len(prompt_ids) + len(gen)
   mask = np.zeros(total, np.int8)
@@ -67,4 +71,4 @@ def from_completion(*, group_id: str, episode_id: str, group_size: int,
       tokens=np.asarray(prompt_ids + gen, np.int32), loss_mask=mask, behaviour_logprobs=logp,
       policy_versions=versions, reward=float(reward or 0.0),
       routing=_routing(getattr(completion, "prompt_routing", None), completion.routing, total),
-      infra_failure=bool(infra_failure))
+      infra_failure=bool(infra_failure), hack_flags=hack_flags)

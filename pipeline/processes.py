@@ -40,13 +40,18 @@ STEP_LINE = "learner step "
 
 def step_line(step: int, metrics: dict, info: dict) -> str:
   """The learner's log line per step: `learner step N {json}`, the figures that show the step
-  trained (episodes and tokens in its batch, loss and gradient norm, policy version) and its data's staleness."""
+  trained (episodes and tokens in its batch, loss and gradient norm, policy version), its data's
+  staleness, its groups without signal (zero-variance, and how many were filtered out) and its
+  attempts flagged for reward hacking."""
   return STEP_LINE + f"{step} " + json.dumps({
       "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
       "tokens": float(metrics["tokens"]),
       "trained_episodes": int(info["trained_episodes"]), "episodes": int(info["episodes"]),
       "policy_version": int(metrics["policy_version"]), "max_lag": int(info["max_lag"]),
       "stale_episodes": int(info["stale_episodes"]), "lost_episodes": int(info["lost_episodes"]),
+      "zero_variance_groups": int(info["zero_variance_groups"]),
+      "zero_variance_filtered": int(info["zero_variance_filtered"]),
+      "hack_flagged": int(info["hack_flagged"]),
       "replayed": bool(info.get("replayed", False))})
 
 

@@ -7,6 +7,12 @@ failures), drops episodes staler than the bound (counted), computes GRPO advanta
 over the valid attempts, and packs the episodes first-fit into a fixed [batch_rows, seq_len]
 batch (segment ids keep attention within an episode; positions restart per episode).
 
+Groups without signal: a group whose valid attempts all got the same reward (zero variance)
+has advantage 0 on every token. It is counted per step (`zero_variance_groups`) and, with
+`PipelineConfig.filter_zero_variance_groups`, left out of the batch (`zero_variance_filtered`):
+its records are still consumed by this step, so the record count per step stays exact. Attempts
+`envs.hacks` flagged (their rewards carry `envs.reward`'s penalty) are counted (`hack_flagged`).
+
 Missing data: a hole in a writer's shard sequence (rl.trajectory_io) is waited for up to
 `missing_timeout_s`, then its records are counted as lost (`StepStats.lost_episodes`, logged
 with the shard names) and take their places in the step they belonged to, so later steps still
@@ -46,6 +52,9 @@ class StepStats:
   stale_episodes: int = 0
   overflow_episodes: int = 0
   lost_episodes: int = 0
+  zero_variance_groups: int = 0
+  zero_variance_filtered: int = 0
+  hack_flagged: int = 0
   lost_shards: list = dataclasses.field(default_factory=list)
   rejections: dict = dataclasses.field(default_factory=dict)
 
@@ -109,7 +118,9 @@ class StepBatcher:
     """(batch dict, info dict) of the next step, or None if `stop` was set while waiting.
 
     info: episodes read, trained_episodes (packed), group_ids, groups, signal_groups (groups
-    with a non-zero advantage: the rest give the policy gradient nothing), max_lag, mean_lag,
+    with a non-zero advantage: the rest give the policy gradient nothing), zero_variance_groups
+    (groups with valid attempts that all got the same reward), zero_variance_filtered (those of
+    them left out of the batch), hack_flagged (attempts envs.hacks flagged), max_lag, mean_lag,
     and this step's stale_episodes, rejected_episodes, infra_failures and lost_episodes.
     """
     got = self._take(self.cfg.episodes_per_step, stop or threading.Event())
@@ -120,6 +131,7 @@ class StepBatcher:
     before = (self.stats.stale_episodes, sum(self._log.counts.values()),
               self.stats.infra_failures)
     groups: dict[str, list] = collections.OrderedDict()
+    hacked = 0
     for item in items:
       where = "%s#%d" % tuple(item["loc"])
       try:
@@ -127,6 +139,7 @@ class StepBatcher:
       except (KeyError, ValueError, TypeError, AttributeError) as e:
         self._log.reject("malformed", f"{where} ({e})")
         continue
+      hacked += bool(ep.hack_flags)
       reason = validate(ep, self.spec)
       status = "ok"
       if reason is not None:
@@ -146,21 +159,40 @@ class StepBatcher:
       groups.setdefault(ep.group_id, []).append((ep, status))
     self.stats.episodes += len(items)
 
-    chosen, lags = [], []
     signal = 0
+    scored = []  # (members, advantages, zero variance) per group
     for members in groups.values():
       valid = np.array([s == "ok" for _, s in members])
       rewards = np.array([ep.reward for ep, _ in members])
-      adv = objectives.group_advantages(rewards, valid, normalize_std=self.normalize_std)
+      # Exact equality, not std == 0: the mean of equal floats need not equal them, and the
+      # rounding left in r - mean would become a spurious advantage once divided by std + eps.
+      flat = bool(valid.any()) and bool(np.all(rewards[valid] == rewards[valid][0]))
+      adv = (np.zeros(len(members), np.float32) if flat else
+             objectives.group_advantages(rewards, valid, normalize_std=self.normalize_std))
       signal += bool(np.any(adv != 0))
+      scored.append((members, adv, flat))
+    flat_groups = sum(flat for _, _, flat in scored)
+    # A step of zero-variance groups only is trained as it is (every advantage 0) rather than
+    # left without a trainable token, which the learner loop refuses.
+    drop = self.cfg.filter_zero_variance_groups and signal > 0
+    chosen, lags = [], []
+    for members, adv, flat in scored:
+      if flat and drop:
+        continue
       for (ep, s), a in zip(members, adv):
         if s == "ok":
           chosen.append((ep, float(a)))
           lags.append(learner_version - int(ep.policy_versions[ep.loss_mask.astype(bool)].min()))
+    filtered = flat_groups if drop else 0
     batch, packed = self._pack(chosen)
     self.stats.trained_episodes += packed
+    self.stats.zero_variance_groups += flat_groups
+    self.stats.zero_variance_filtered += filtered
+    self.stats.hack_flagged += hacked
     info = {"episodes": len(items), "trained_episodes": packed, "group_ids": list(groups),
-            "groups": len(groups), "signal_groups": signal, "max_lag": max(lags) if lags else 0,
+            "groups": len(groups), "signal_groups": signal, "zero_variance_groups": flat_groups,
+            "zero_variance_filtered": filtered, "hack_flagged": hacked,
+            "max_lag": max(lags) if lags else 0,
             "mean_lag": float(np.mean(lags)) if lags else 0.0,
             "stale_episodes": self.stats.stale_episodes - before[0],
             "rejected_episodes": sum(self._log.counts.values()) - before[1],

@@ -22,7 +22,7 @@ SPEC = ValidationSpec(vocab_size=300, max_len=32, routing_shape=(2, 2), num_expe
 CFG = PipelineConfig(max_staleness=1, prompts_per_step=2, attempts=2, seq_len=32, batch_rows=2)
 
 
-def _episode(gid, j, reward, version=0, gen=3, infra=False):
+def _episode(gid, j, reward, version=0, gen=3, infra=False, hack_flags=()):
   prompt = [256, 10, 11, 12]
   comp = Completion(token_ids=list(range(20, 20 + gen)), logprobs=[-0.5] * gen,
                     routing=np.ones((2, gen, 2), np.uint8),
@@ -31,7 +31,7 @@ def _episode(gid, j, reward, version=0, gen=3, infra=False):
   return episodes_lib.from_completion(
       group_id=gid, episode_id=f"{gid}-{j}", group_size=2, prompt_ids=prompt,
       completion=None if infra else comp, reward=None if infra else reward,
-      infra_failure=infra)
+      infra_failure=infra, hack_flags=hack_flags)
 
 
 def test_episode_alignment():
@@ -80,6 +80,73 @@ def test_step_batches(tmp_path):
   again, info3 = b2.next_batch(learner_version=3)
   assert info3["group_ids"] == ["c", "d"]
   np.testing.assert_array_equal(again["tokens"], batch2["tokens"])
+
+
+def _zero_variance_steps(directory):
+  """Step 1: a (rewards 1, 0: signal), b (1, 1: no signal), c (one infra failure and a 0: no
+  signal); step 2: d, e and f, each of rewards 0, 0 (no group with signal). b's attempts have 5
+  generated tokens, a's 3, so the trained tokens tell which group was packed."""
+  w = TrajectoryWriter(str(directory), "c", records_per_shard=2)
+  w.write_all([_episode("a", 0, 1.0), _episode("a", 1, 0.0)])
+  w.write_all([_episode("b", 0, 1.0, gen=5), _episode("b", 1, 1.0, gen=5)])
+  w.write_all([_episode("c", 0, None, infra=True), _episode("c", 1, 0.0)])
+  for gid in "def":
+    w.write_all([_episode(gid, 0, 0.0), _episode(gid, 1, 0.0)])
+  w.close()
+
+
+@pytest.mark.parametrize("filtering", [False, True])
+def test_zero_variance_groups_are_counted_and_filtered_in_their_own_step(tmp_path, filtering):
+  _zero_variance_steps(tmp_path)
+  cfg = PipelineConfig(max_staleness=1, prompts_per_step=3, attempts=2, seq_len=32,
+                       batch_rows=2, filter_zero_variance_groups=filtering)
+  b = StepBatcher(str(tmp_path), config=cfg, spec=SPEC)
+  batch, info = b.next_batch(0)
+  assert info["group_ids"] == ["a", "b", "c"] and info["episodes"] == 6
+  assert (info["signal_groups"], info["zero_variance_groups"]) == (1, 2)
+  trained = int(batch["loss_mask"].sum())
+  if filtering:
+    # Only a's two attempts carry loss: b's and c's tokens are not in the batch at all.
+    assert info["zero_variance_filtered"] == 2 and info["trained_episodes"] == 2
+    assert trained == 2 * 3 and int((batch["segment_ids"] > 0).sum()) == 2 * 7
+    assert sorted(batch["advantages"][batch["loss_mask"] == 1].round(3).tolist()) == \
+        [-1.0] * 3 + [1.0] * 3
+  else:
+    assert info["zero_variance_filtered"] == 0 and info["trained_episodes"] == 5
+    assert trained == 2 * 3 + 2 * 5 + 3
+  state = b.get_state()
+  # Step 2 starts at d whatever step 1 filtered (the record count per step is exact). Its
+  # groups are all zero-variance: trained as they are (advantages 0), not left empty.
+  batch2, info2 = b.next_batch(0)
+  assert info2["group_ids"] == ["d", "e", "f"]
+  assert (info2["zero_variance_groups"], info2["zero_variance_filtered"]) == (3, 0)
+  assert info2["trained_episodes"] == 6 and not batch2["advantages"].any()
+  assert int(batch2["loss_mask"].sum()) == 6 * 3
+  assert (b.stats.zero_variance_groups, b.stats.zero_variance_filtered) == \
+      (5, 2 if filtering else 0)
+  # The counters resume with the reader's state.
+  b2 = StepBatcher(str(tmp_path), config=cfg, spec=SPEC)
+  b2.set_state(state)
+  assert b2.next_batch(0)[1]["group_ids"] == ["d", "e", "f"]
+  assert b2.stats.zero_variance_groups == 5
+
+
+def test_hack_flagged_attempts_are_counted_per_step(tmp_path):
+  w = TrajectoryWriter(str(tmp_path), "c", records_per_shard=2)
+  w.write_all([_episode("a", 0, -1.0, hack_flags=("exit_patched",)), _episode("a", 1, 1.0)])
+  w.write_all([_episode("b", 0, -1.0, hack_flags=("network", "tests_modified")),
+               _episode("b", 1, -1.0, hack_flags=("network",))])
+  w.write_all([_episode("c", 0, 1.0), _episode("c", 1, 0.0)])
+  w.write_all([_episode("d", 0, 1.0), _episode("d", 1, 0.0)])
+  w.close()
+  b = StepBatcher(str(tmp_path), config=CFG, spec=SPEC)
+  batch, info = b.next_batch(0)
+  assert info["hack_flagged"] == 3 and info["zero_variance_groups"] == 1
+  # The penalised reward is what the advantage sees: a's hacked attempt gets the negative one.
+  assert sorted(batch["advantages"][batch["loss_mask"] == 1].round(3).tolist()) == \
+      [-1.0] * 3 + [0.0] * 6 + [1.0] * 3
+  assert b.next_batch(0)[1]["hack_flagged"] == 0
+  assert b.stats.hack_flagged == 3
 
 
 def test_waits_for_records_and_stops(tmp_path):

@@ -10,7 +10,8 @@ An `Episode` is what the rollout side hands the learner. Token arrays are aligne
 `group_id` identifies the prompt; the `group_size` attempts of one prompt form a GRPO group.
 `infra_failure` marks an attempt lost to infrastructure (sandbox crash, timeout of the harness):
 it still completes its group but is excluded from the group's statistics and never trained on;
-it is not scored as reward 0.
+it is not scored as reward 0. `hack_flags` names the reward-hacking flags `envs.hacks` raised
+on the attempt (its reward already carries `envs.reward`'s penalty); the learner counts them.
 
 `validate` returns the reason a record is unusable (None when it is fine); the pipeline counts
 and logs rejections and carries on.
@@ -46,13 +47,14 @@ class Episode:
   group_size: int = 1
   infra_failure: bool = False
   episode_id: str = ""
+  hack_flags: tuple = ()
 
   def to_record(self) -> dict:
     """A msgpack-able dict: arrays become {"dtype", "shape", "data"}."""
     rec: dict[str, Any] = {
         "group_id": self.group_id, "reward": float(self.reward),
         "group_size": int(self.group_size), "infra_failure": bool(self.infra_failure),
-        "episode_id": self.episode_id,
+        "episode_id": self.episode_id, "hack_flags": [str(f) for f in self.hack_flags],
     }
     for name in _ARRAY_FIELDS:
       value = getattr(self, name)
@@ -78,6 +80,7 @@ class Episode:
                group_size=int(rec.get("group_size", 1)),
                infra_failure=bool(rec.get("infra_failure", False)),
                episode_id=str(rec.get("episode_id", "")),
+               hack_flags=tuple(str(f) for f in rec.get("hack_flags", ())),
                tokens=arrays["tokens"], loss_mask=arrays["loss_mask"],
                behaviour_logprobs=arrays["behaviour_logprobs"],
                policy_versions=(arrays["policy_versions"] if arrays["policy_versions"] is not None
