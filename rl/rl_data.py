@@ -117,24 +117,25 @@ class _SourceIterator(grain.DatasetIterator):
     self._late_logged: set[str] = set()
     self._marker: Optional[dict] = None
 
-  def _gap(self, name: str, missing: list) -> Optional[str]:
-    """Handles the hole before `name`: None while waiting, else `name` (the hole is closed)."""
+  def _gap(self, writer: str, missing: list, seq: int, start: Optional[int],
+           after: str) -> bool:
+    """Handles a hole in `writer`'s stream (shards `missing`, after which its stream goes on
+    at sequence `seq`, writer_index `start`): False while waiting for it, True once closed
+    (counted as lost, with a marker for the reader to yield). `after` says what revealed it."""
     first = missing[0]
     now = time.monotonic()
     since = self._gap_seen.setdefault(first, now)
     if since == now:
-      _log.warning("trajectory shards %s are missing before %s; waiting up to %.0fs", missing,
-                   name, self._ds.missing_timeout_s if self._ds.follow else 0.0)
+      _log.warning("trajectory shards %s are missing %s; waiting up to %.0fs", missing, after,
+                   self._ds.missing_timeout_s if self._ds.follow else 0.0)
     if self._ds.follow and now - since < self._ds.missing_timeout_s:
-      return None
-    writer, seq = trajectory_io.parse_name(name)
-    start = trajectory_io.first_index(self._cache.records(name))
+      return False
     expect = self._next_index.get(writer, 0)
     lost = None if start is None or expect is None else start - expect
     if self._ds.on_missing == "raise":
       raise MissingShardError(
           f"trajectory shards {missing} never appeared in {self._ds.directory} (waited "
-          f"{now - since:.0f}s; the next shard is {name}); {lost} records are missing")
+          f"{now - since:.0f}s; missing {after}); {lost} records are missing")
     _log.error("trajectory shards %s never appeared (waited %.0fs): counting their %s records "
                "as lost", missing, now - since, lost)
     self._lost[first] = lost
@@ -144,7 +145,19 @@ class _SourceIterator(grain.DatasetIterator):
     del self._gap_seen[first]
     self._marker = {"loc": [first, -1], "record": None,
                     "lost": {"shards": list(missing), "records": lost}}
-    return name
+    return True
+
+  def _tail_hole(self) -> Optional[tuple]:
+    """(writer, missing shards, next seq, next writer_index) for a writer whose progress file
+    records shards past the last one this reader found (its tail went missing), else None."""
+    for writer, prog in sorted(trajectory_io.read_progress(self._ds.directory).items()):
+      have = self._next_seq.get(writer, 0)
+      if prog["next_seq"] > have:
+        missing = [trajectory_io.shard_name(writer, j) for j in range(have, prog["next_seq"])
+                   if trajectory_io.shard_name(writer, j) not in self._lost_names]
+        if missing:
+          return writer, missing, prog["next_seq"], prog["next_index"]
+    return None
 
   def _next_shard(self) -> Optional[str]:
     waited = 0.0
@@ -158,9 +171,19 @@ class _SourceIterator(grain.DatasetIterator):
       if todo:
         missing = trajectory_io.missing_before(todo[0], self._next_seq)
         if not missing:
+          self._gap_seen.pop(todo[0], None)  # it was only late
           return todo[0]
-        if self._gap(todo[0], missing) is not None:
+        writer, seq = trajectory_io.parse_name(todo[0])
+        start = trajectory_io.first_index(self._cache.records(todo[0]))
+        if self._gap(writer, missing, seq, start, f"before {todo[0]}"):
           return todo[0]
+      else:
+        hole = self._tail_hole()
+        if hole is not None:
+          writer, missing, seq, start = hole
+          if self._gap(writer, missing, seq, start,
+                       f"at the end of writer {writer}'s stream (it recorded {seq} shards)"):
+            return None  # nothing to read now; __next__ yields the marker
       if not self._ds.follow:
         return None
       if self._ds.idle_timeout_s is not None and waited >= self._ds.idle_timeout_s:
@@ -174,6 +197,9 @@ class _SourceIterator(grain.DatasetIterator):
         self._current = self._next_shard()
         self._offset = 0
         if self._current is None:
+          if self._marker is not None:  # a lost tail: counted, then the reader goes on
+            marker, self._marker = self._marker, None
+            return marker
           raise StopIteration
       if self._marker is not None:
         marker, self._marker = self._marker, None

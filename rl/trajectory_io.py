@@ -10,12 +10,17 @@ Missing data is detectable: a writer's sequence numbers start at 0 and have no h
 record carries `writer_index`, its position in its writer's stream. A reader that finds shard
 `w-n` while it has read `w` only up to `w-m`, m < n - 1, knows shards m+1..n-1 are missing, and
 `writer_index` of `w-n`'s first record minus the records it has read of `w` is how many records
-they held (`missing_before`, `first_index`). What a reader does about it is its rule
-(rl.rl_data.TrajectorySource: wait for a bound, then raise or count the records as lost).
+they held (`missing_before`, `first_index`). A hole at the END of a writer's stream has no later
+shard to reveal it, so after each shard the writer also replaces `<writer_id>.progress.json`
+({"next_seq", "next_index"}: what it has written so far), written after the shard itself; a reader
+that sees progress past the shards it can find knows the tail is missing (`read_progress`). What
+a reader does about a hole is its rule (rl.rl_data.TrajectorySource: wait for a bound, then raise
+or count the records as lost).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import tempfile
@@ -56,6 +61,9 @@ class TrajectoryWriter:
     """(next sequence number, next writer_index): a reused writer id continues its stream."""
     seqs = [parse_name(n)[1] for n in list_shards(self.directory)
             if parse_name(n)[0] == self.writer_id]
+    progress = read_progress(self.directory).get(self.writer_id)
+    if progress is not None and (not seqs or progress["next_seq"] > max(seqs) + 1):
+      return progress["next_seq"], progress["next_index"]  # its last shards went missing
     if not seqs:
       return 0, 0
     last = shard_name(self.writer_id, max(seqs))
@@ -92,6 +100,8 @@ class TrajectoryWriter:
     os.replace(tmp, os.path.join(self.directory, name))
     self._buffer = []
     self._seq += 1
+    _write_atomic(os.path.join(self.directory, progress_name(self.writer_id)),
+                  json.dumps({"next_seq": self._seq, "next_index": self._index}).encode())
     return name
 
   def close(self) -> None:
@@ -102,6 +112,42 @@ class TrajectoryWriter:
 
   def __exit__(self, *exc):
     self.close()
+
+
+PROGRESS_SUFFIX = ".progress.json"
+_PROGRESS = re.compile(r"^([A-Za-z0-9_.-]+)\.progress\.json$")
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+  fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(path))
+  with os.fdopen(fd, "wb") as f:
+    f.write(data)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+
+
+def progress_name(writer_id: str) -> str:
+  return writer_id + PROGRESS_SUFFIX
+
+
+def read_progress(directory: str) -> dict:
+  """writer id -> {"next_seq", "next_index"} as each writer last recorded (see the module
+  docstring). An unreadable progress file is skipped: it only ever adds a check."""
+  out = {}
+  if not os.path.isdir(directory):
+    return out
+  for n in os.listdir(directory):
+    m = _PROGRESS.match(n)
+    if m is None:
+      continue
+    try:
+      with open(os.path.join(directory, n), "rb") as f:
+        rec = json.loads(f.read())
+      out[m.group(1)] = {"next_seq": int(rec["next_seq"]), "next_index": int(rec["next_index"])}
+    except (OSError, ValueError, KeyError, TypeError):
+      continue
+  return out
 
 
 def shard_name(writer_id: str, seq: int) -> str:

@@ -56,5 +56,33 @@ def test_a_hole_is_reported_with_its_record_count_or_raises(tmp_path):
     list(rl_data.TrajectorySource(d))
 
 
+def test_a_lost_tail_is_seen_through_the_writers_progress(tmp_path):
+  """The last shards of a stream have no later shard to reveal them: the writer's progress file
+  does. A following reader waits for them, then counts them as lost, and reads on when the
+  writer goes on (which continues after the lost shards, not over them)."""
+  d = str(tmp_path)
+  with trajectory_io.TrajectoryWriter(d, "a", records_per_shard=2) as w:
+    w.write_all([_ep(i) for i in range(6)])
+  assert trajectory_io.read_progress(d) == {"a": {"next_seq": 3, "next_index": 6}}
+  os.remove(os.path.join(d, trajectory_io.shard_name("a", 2)))
+  os.remove(os.path.join(d, trajectory_io.shard_name("a", 1)))
+  items = list(rl_data.TrajectorySource(d, on_missing="report"))
+  assert [it["record"]["group_id"] for it in items if "lost" not in it] == ["g0", "g1"]
+  assert [it["lost"] for it in items if "lost" in it] == [
+      {"shards": ["a-00000001.msgpack", "a-00000002.msgpack"], "records": 4}]
+  with pytest.raises(rl_data.MissingShardError, match=r"end of writer a's stream.*4 records"):
+    list(rl_data.TrajectorySource(d))
+  # A restarted writer with the same id continues after what it recorded, not over it.
+  with trajectory_io.TrajectoryWriter(d, "a", records_per_shard=2) as w:
+    w.write_all([_ep(i) for i in range(6, 8)])
+  assert trajectory_io.list_shards(d) == ["a-00000000.msgpack", "a-00000003.msgpack"]
+  # A following reader: counts the tail as lost after its timeout, then reads the new shard.
+  it = iter(rl_data.TrajectorySource(d, on_missing="report", follow=True, poll_interval_s=0.01,
+                                     missing_timeout_s=0.05))
+  got = [next(it) for _ in range(5)]
+  assert [g["record"]["group_id"] if "lost" not in g else "lost" for g in got] == [
+      "g0", "g1", "lost", "g6", "g7"]
+
+
 if __name__ == "__main__":
   sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
