@@ -27,7 +27,6 @@ import jax
 import numpy as np
 
 from rollout import packed_weights
-from rollout import weight_checks
 
 
 class DeltaSwapper:
@@ -62,7 +61,7 @@ class DeltaSwapper:
       # The scale reference for the weight checks, measured before the apply writes into the
       # held arrays (which may be the served ones: comparing them after would compare the new
       # values with themselves).
-      reference = weight_checks.rms(held)
+      reference = engine.served_rms()  # `held` holds the served values (copied or the same)
       new_flat, stats = delta.apply_inplace(held, blob, expect_parent=digest)
       decoded = time.perf_counter() - t0
       try:

@@ -53,6 +53,7 @@ from rollout import packed_weights
 from rollout import request_checks
 from rollout import scheduler
 from rollout import slot_tables
+from rollout import weight_checks
 from rollout.engine_types import (Completion, EngineConfig, EngineStopped, PreparedWeights,
                                   QueueFull, RequestHandle, Sample)
 from rollout.sampling import MAX_TOP_LOGPROBS, SamplingParams
@@ -95,6 +96,7 @@ class Engine:
     self.max_len = max_len
     self.tokenizer = tokenizer
     self._flat = flat
+    self._flat_rms = None  # weight_checks.rms of _flat, measured once when a swap needs it
     self._params = packed_weights.pack(flat, cfg, ec.dtype)
     self.version = version
     self._alloc_cache()
@@ -237,15 +239,28 @@ class Engine:
     Raises:
       ValueError: naming the tensor and what is wrong with it.
     """
-    from rollout import weight_checks  # pylint: disable=import-outside-toplevel
     t0 = time.perf_counter()
     flat = dict(flat)
     if reference_rms is None:
-      reference_rms = weight_checks.rms(self._flat)
-    weight_checks.check(flat, self.model_config, reference_rms)
+      reference_rms = self.served_rms()
+    new_rms = weight_checks.check(flat, self.model_config, reference_rms)
     packed = packed_weights.pack(flat, self.model_config, self.config.dtype)
     jax.block_until_ready(packed)
-    return PreparedWeights(packed, flat, time.perf_counter() - t0)
+    return PreparedWeights(packed, flat, time.perf_counter() - t0, new_rms)
+
+  def served_rms(self) -> dict:
+    """{name: RMS} of the served weights (`rollout.weight_checks.rms`): the scale reference of
+    the next swap's checks. Measured once per version: a swap keeps the figures its own check
+    computed for the new weights, so no swap measures the same weights twice."""
+    with self._cv_lock:
+      flat, cached = self._flat, self._flat_rms
+    if cached is not None and cached[0] is flat:
+      return cached[1]
+    out = weight_checks.rms(flat)
+    with self._cv_lock:
+      if self._flat is flat:
+        self._flat_rms = (flat, out)
+    return out
 
   def swap_weights(self, flat, version: int, timeout: Optional[float] = None, *,
                    wait_first_call: bool = False) -> dict:
@@ -284,8 +299,8 @@ class Engine:
     with self._cv_lock:
       if self._thread is None or self._stopping:
         raise EngineStopped("the engine is not running")
-      self._pending_swap = (prepared.params, prepared.flat, int(version), done, result,
-                            first_done)
+      self._pending_swap = (prepared.params, prepared.flat, prepared.rms, int(version), done,
+                            result, first_done)
       self._cv_lock.notify_all()
     if not done.wait(timeout):
       raise TimeoutError("weight swap was not applied in time")
@@ -384,14 +399,16 @@ class Engine:
     self._fail_all(EngineStopped("the engine stopped"), reason="cancelled")
 
   def _apply_swap(self, swap, last_chunk_end) -> None:
-    new_params, flat, version, done, result, first_done = swap
+    new_params, flat, rms, version, done, result, first_done = swap
     if self._swap_followup is not None:  # two swaps without a decode call between them
       self._end_followup({})
     # Freeing the old weights (GBs) takes long; keep them until the next device call is queued,
     # so that the free overlaps with its compute instead of pausing decoding.
     self._retired = (self._params, self._flat)
     self._params = new_params
-    self._flat = flat
+    with self._cv_lock:
+      self._flat = flat
+      self._flat_rms = None if rms is None else (flat, rms)
     self.version = version
     self.stats["swaps_total"] += 1
     # The decode loop stood still from the end of its last call until the next call starts; that

@@ -118,6 +118,7 @@ class PreparedWeights:
   params: Any
   flat: dict
   prepare_s: float
+  rms: Optional[dict] = None  # weight_checks' {name: RMS} of `flat`, the next swap's reference
 
 
 class RequestHandle:

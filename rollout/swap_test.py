@@ -136,6 +136,31 @@ def test_swap_with_nothing_in_flight_returns_without_a_first_call(model):
 
 
 
+def test_each_version_is_measured_once_for_the_weight_checks(model, monkeypatch):
+  """The scale reference of a swap's checks is the served weights' RMS; the previous swap's
+  check already computed it for them, so consecutive swaps (full or delta) never measure the
+  served weights again."""
+  from rollout import weight_checks
+  from sync import delta
+  calls = []
+  real = weight_checks.rms
+  monkeypatch.setattr(weight_checks, "rms", lambda flat: calls.append(1) or real(flat))
+  eng = _engine(model)
+  try:
+    base = {k: np.array(v) for k, v in eng.current_flat().items()}
+    eng.swap_weights({k: (v * 1.01).astype(v.dtype) for k, v in base.items()}, 1)
+    assert len(calls) == 1  # the initial weights, once
+    eng.swap_weights({k: (v * 1.02).astype(v.dtype) for k, v in base.items()}, 2)
+    served = eng.current_flat()
+    eng.swap_delta(delta.encode(served, {k: (v * 1.01).astype(v.dtype)
+                                         for k, v in served.items()}), 3)
+    assert len(calls) == 1 and eng.version == 3
+    ref = real(eng.current_flat())
+    assert eng.served_rms() == pytest.approx(ref, rel=1e-6)
+  finally:
+    eng.stop()
+
+
 def _greedy(eng, prompt=(5, 17, 200, 3)):
   return eng.generate(list(prompt), max_tokens=20, temperature=0.0, ignore_eos=True,
                       timeout=TIMEOUT_S)[0]
