@@ -7,6 +7,13 @@ failures), drops episodes staler than the bound (counted), computes GRPO advanta
 over the valid attempts, and packs the episodes first-fit into a fixed [batch_rows, seq_len]
 batch (segment ids keep attention within an episode; positions restart per episode).
 
+Self-summarised episodes (rl.episodes.Episode.segment_lengths): each context segment is packed
+as its own sequence (its own segment id, positions from 0, no attention across segments; two
+segments of one episode may share a row or not), and every segment carries the episode's
+advantage. An episode is trained whole or not at all: if one of its segments finds no room,
+none of them is placed and the episode counts as overflow, so no attempt is half-trained and
+`trained_episodes` counts episodes, not segments.
+
 Groups without signal: a group whose valid attempts all got the same reward (zero variance)
 has advantage 0 on every token. It is counted per step (`zero_variance_groups`) and, with
 `PipelineConfig.filter_zero_variance_groups`, left out of the batch (`zero_variance_filtered`):
@@ -217,28 +224,39 @@ class StepBatcher:
     fill = np.zeros(rows, np.int64)
     segs = np.zeros(rows, np.int64)
     packed = 0
-    for ep, adv in sorted(chosen, key=lambda e: -e[0].tokens.size):  # first-fit decreasing
-      n = ep.tokens.size
-      fits = np.nonzero(fill + n <= length)[0]
-      if fits.size == 0:
+    # First-fit decreasing over episodes (the unit that is trained or dropped), each episode's
+    # segments longest first.
+    for ep, adv in sorted(chosen, key=lambda e: -e[0].tokens.size):
+      spans = sorted(ep.segment_bounds(), key=lambda se: se[0] - se[1])
+      # Place every segment on a trial fill first: nothing is written unless all of them fit.
+      trial, where = fill.copy(), []
+      for start, end in spans:
+        fits = np.nonzero(trial + (end - start) <= length)[0]
+        if fits.size == 0:
+          break
+        r = int(fits[0])
+        where.append((r, int(trial[r]), start, end))
+        trial[r] += end - start
+      if len(where) < len(spans):
         self.stats.overflow_episodes += 1
-        log.warning("episode %s does not fit the step's %d rows; dropped (counted)",
-                    ep.episode_id, rows)
+        log.warning("episode %s (%d segments) does not fit the step's %d rows; dropped whole "
+                    "(counted)", ep.episode_id, len(spans), rows)
         continue
-      r = int(fits[0])
-      s, e = int(fill[r]), int(fill[r]) + n
-      segs[r] += 1
-      b["tokens"][r, s:e] = ep.tokens
-      b["positions"][r, s:e] = np.arange(n)
-      b["segment_ids"][r, s:e] = segs[r]
       trained = ep.loss_mask.astype(bool)
-      b["loss_mask"][r, s:e] = trained
-      b["behaviour_logprobs"][r, s:e] = np.where(trained, ep.behaviour_logprobs, 0.0)
-      b["policy_versions"][r, s:e] = np.where(trained, ep.policy_versions, 0)
-      b["advantages"][r, s:e] = adv
-      if self.include_routing:
-        b["routing"][r, s:e] = np.transpose(ep.routing, (1, 0, 2))
-      fill[r] = e
+      for r, s, start, end in where:
+        e = s + end - start
+        segs[r] += 1
+        b["tokens"][r, s:e] = ep.tokens[start:end]
+        b["positions"][r, s:e] = np.arange(end - start)
+        b["segment_ids"][r, s:e] = segs[r]
+        m = trained[start:end]
+        b["loss_mask"][r, s:e] = m
+        b["behaviour_logprobs"][r, s:e] = np.where(m, ep.behaviour_logprobs[start:end], 0.0)
+        b["policy_versions"][r, s:e] = np.where(m, ep.policy_versions[start:end], 0)
+        b["advantages"][r, s:e] = adv
+        if self.include_routing:
+          b["routing"][r, s:e] = np.transpose(ep.routing[:, start:end], (1, 0, 2))
+      fill = trial
       packed += 1
     return b, packed
 

@@ -12,7 +12,7 @@ import pytest
 from pipeline import episodes as episodes_lib
 from pipeline.config import PipelineConfig
 from pipeline.step_batches import StepBatcher
-from rl.episodes import ValidationSpec
+from rl.episodes import Episode, ValidationSpec
 from rl import trajectory_io
 from rl.trajectory_io import TrajectoryWriter
 from rollout.engine import Completion
@@ -238,6 +238,136 @@ def test_a_late_shard_is_waited_for_and_read_in_order(tmp_path):
     logging.getLogger("rl.rl_data").removeHandler(seen)
   assert [info["group_ids"] for _, info in out] == [["a", "b"], ["c", "d"]]
   assert b.stats.lost_episodes == 0 and b.stats.lost_shards == []
+
+
+def _segmented(gid, j, reward, lengths, *, first_token=20, model_from=4, versions=None):
+  """An attempt in context segments of `lengths`: each opens with `model_from` context tokens
+  (prompt, or the summary request that carries the previous segment on) and then has the
+  model's tokens; token ids count up from `first_token`, routing is the token's layer-tagged id
+  so a misplaced slice shows; versions[i] is the policy version of segment i's tokens."""
+  n = int(sum(lengths))
+  mask = np.concatenate([np.r_[np.zeros(model_from), np.ones(m - model_from)]
+                         for m in lengths]).astype(np.int8)
+  versions = versions or [0] * len(lengths)
+  routing = np.stack([np.stack([np.arange(n) % 4, (np.arange(n) + l) % 4], -1)
+                      for l in range(2)]).astype(np.uint8)
+  return Episode(group_id=gid, episode_id=f"{gid}-{j}", group_size=2, reward=reward,
+                 tokens=np.arange(first_token, first_token + n, dtype=np.int32), loss_mask=mask,
+                 behaviour_logprobs=np.where(mask, -0.5, 0.0).astype(np.float32),
+                 policy_versions=np.repeat(np.array(versions, np.int32), lengths),
+                 routing=routing,
+                 segment_lengths=(np.array(lengths, np.int32) if len(lengths) > 1 else None))
+
+
+def test_each_segment_of_an_episode_is_its_own_sequence(tmp_path):
+  """a-0 summarised itself once: segments of 24 and 16 tokens (40 in all, more than a row of
+  32), the second sampled after a weight swap (version 1). Each lands as its own sequence,
+  positions from 0, own segment id, the episode's advantage, in whichever row has room."""
+  w = TrajectoryWriter(str(tmp_path), "c", records_per_shard=2)
+  w.write_all([_segmented("a", 0, 1.0, [24, 16], first_token=100, versions=[0, 1]),
+               _segmented("a", 1, 0.0, [7])])
+  w.write_all([_episode("b", 0, 1.0), _episode("b", 1, 0.0)])
+  w.close()
+  b = StepBatcher(str(tmp_path), config=CFG, spec=SPEC)
+  batch, info = b.next_batch(learner_version=1)
+  assert info["episodes"] == 4 and info["trained_episodes"] == 4
+  assert b.stats.overflow_episodes == 0 and b.stats.trained_episodes == 4
+  # The lag is over every model token of the episode: its first segment was sampled by 0.
+  assert info["max_lag"] == 1
+  ep = _segmented("a", 0, 1.0, [24, 16], first_token=100, versions=[0, 1])
+  found, advs = [], []
+  for start, end in ((0, 24), (24, 40)):
+    r, c = np.argwhere(batch["tokens"] == ep.tokens[start])[0]
+    sl = slice(c, c + end - start)
+    found.append((r, batch["segment_ids"][r, c]))
+    np.testing.assert_array_equal(batch["tokens"][r, sl], ep.tokens[start:end])
+    np.testing.assert_array_equal(batch["positions"][r, sl], np.arange(end - start))
+    assert (batch["segment_ids"][r, sl] == batch["segment_ids"][r, c]).all()
+    assert c + end - start == 32 or batch["segment_ids"][r, c + end - start] != \
+        batch["segment_ids"][r, c]  # the sequence ends where the segment does
+    np.testing.assert_array_equal(batch["loss_mask"][r, sl], ep.loss_mask[start:end])
+    advs.append(batch["advantages"][r, sl])
+    np.testing.assert_array_equal(batch["policy_versions"][r, sl],
+                                  np.where(ep.loss_mask[start:end], ep.policy_versions[start:end],
+                                           0))
+    np.testing.assert_array_equal(batch["routing"][r, sl],
+                                  np.transpose(ep.routing[:, start:end], (1, 0, 2)))
+  assert len(set(found)) == 2  # two sequences (here in different rows: 24 + 16 > 32)
+  # Both carry the episode's advantage (a's rewards 1 and 0: +1 once normalised).
+  np.testing.assert_array_equal(np.concatenate(advs), advs[0][0])
+  np.testing.assert_allclose(advs[0][0], 1.0, rtol=1e-5)
+  assert (batch["policy_versions"][batch["tokens"] >= 124] == 1).sum() == 12
+  # 3 sequences of the other episodes + 2 of a-0: 5 in the batch, every token placed once.
+  assert sum(len(set(row[row > 0])) for row in batch["segment_ids"]) == 5
+  assert int((batch["segment_ids"] > 0).sum()) == 40 + 3 * 7
+
+
+def test_an_episode_whose_segment_does_not_fit_is_dropped_whole(tmp_path):
+  """One row of 32: a-0's first segment (20) fits, its second (20) then does not. None of a-0
+  is placed, it counts as overflow, and the room its first segment would have taken goes to
+  the three 7-token attempts (21 tokens, which would not fit beside it)."""
+  w = TrajectoryWriter(str(tmp_path), "c", records_per_shard=2)
+  w.write_all([_segmented("a", 0, 1.0, [20, 20], first_token=100), _episode("a", 1, 0.0)])
+  w.write_all([_episode("b", 0, 1.0), _episode("b", 1, 0.0)])
+  w.close()
+  cfg = PipelineConfig(max_staleness=1, prompts_per_step=2, attempts=2, seq_len=32,
+                       batch_rows=1)
+  b = StepBatcher(str(tmp_path), config=cfg, spec=SPEC)
+  batch, info = b.next_batch(learner_version=0)
+  assert info["trained_episodes"] == 3 and b.stats.overflow_episodes == 1
+  assert not np.isin(batch["tokens"], np.arange(100, 140)).any()  # nothing of a-0 is placed
+  assert int((batch["segment_ids"] > 0).sum()) == 21
+  assert batch["segment_ids"][0, :21].tolist() == [1] * 7 + [2] * 7 + [3] * 7
+
+
+def test_a_bad_segmentation_is_rejected_with_its_reason(tmp_path):
+  bad = _segmented("a", 0, 1.0, [20, 10])
+  bad.segment_lengths = np.array([20, 9], np.int32)  # one token short of the episode
+  w = TrajectoryWriter(str(tmp_path), "c", records_per_shard=2)
+  w.write_all([bad, _episode("a", 1, 0.0)])
+  w.write_all([_episode("b", 0, 1.0), _episode("b", 1, 0.0)])
+  w.close()
+  b = StepBatcher(str(tmp_path), config=CFG, spec=SPEC)
+  _, info = b.next_batch(learner_version=0)
+  assert b.stats.rejections == {"segment_lengths_sum": 1}
+  assert info["rejected_episodes"] == 1 and info["trained_episodes"] == 3
+
+
+def test_a_learner_step_trains_on_segmented_episodes(tmp_path):
+  """The packed batch of self-summarised episodes drives a real learner step: finite loss,
+  weights move, and every trained token of every segment is a target (none is lost at a
+  segment boundary, none predicted across one)."""
+  from moe import params  # pylint: disable=g-import-not-at-top
+  from moe import sharding  # pylint: disable=g-import-not-at-top
+  from moe.config import ModelConfig  # pylint: disable=g-import-not-at-top
+  from rl import learner as learner_lib  # pylint: disable=g-import-not-at-top
+  from rl.train_step import LossConfig  # pylint: disable=g-import-not-at-top
+  model = ModelConfig(vocab_size=300, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                      intermediate_size=64, moe_intermediate_size=32, num_experts=4,
+                      num_experts_per_tok=2, max_seq_len=64)
+  w = TrajectoryWriter(str(tmp_path), "c", records_per_shard=2)
+  w.write_all([_segmented("a", 0, 1.0, [24, 16], first_token=100, versions=[0, 1]),
+               _segmented("a", 1, 0.0, [10, 12], first_token=40, versions=[1, 1])])
+  w.write_all([_episode("b", 0, 1.0), _episode("b", 1, 0.0)])
+  w.close()
+  spec = ValidationSpec(vocab_size=model.vocab_size, max_len=32, routing_shape=(2, 2),
+                        num_experts=4, require_routing=True)
+  cfg = PipelineConfig(max_staleness=1, prompts_per_step=2, attempts=2, seq_len=64,
+                       batch_rows=2)
+  batch, info = StepBatcher(str(tmp_path), config=cfg, spec=spec).next_batch(learner_version=1)
+  assert info["trained_episodes"] == 4
+  assert sum(len(set(row[row > 0])) for row in batch["segment_ids"]) == 2 + 2 + 1 + 1
+  learner = learner_lib.build_learner(
+      learner_lib.LearnerConfig(loss=LossConfig(objective="policy", replay="on")), model,
+      mesh=sharding.make_mesh((1, 1, 1, 1)), seed=0, max_staleness=1)
+  learner.state = learner.state.replace(
+      policy_version=np.asarray(1, np.int32))  # the version the batch was read for
+  before = params.flatten(learner.model())
+  m = learner.train_step(batch)
+  assert np.isfinite(float(m["loss"]))
+  assert m["tokens"] == float(batch["loss_mask"].sum())
+  after = params.flatten(learner.model())
+  assert any(not np.array_equal(before[k], after[k]) for k in before)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,14 @@ An `Episode` is what the rollout side hands the learner. Token arrays are aligne
   policy_versions[t]      the policy version that sampled token t (where loss_mask is 1)
   routing[l, t, :]        experts used by MoE layer l when the sampler processed token t
                           (optional; needed for router replay)
+  segment_lengths[i]      tokens in context segment i (optional; None is one segment)
+An attempt that summarised itself ran in several context windows (segments): each segment's
+context restarts (the summary carries what the model keeps), so each segment is its own
+training sequence, with positions from 0 and attention that never crosses into another segment.
+It is still one record with one reward: the token arrays are the segments' arrays concatenated
+in order, `segment_lengths` says where they split, and every segment carries the episode's
+advantage. Keeping one record per attempt keeps group sizes, the pipeline's exact record count
+per step and its accounting unchanged; packing (pipeline.step_batches) splits the segments.
 `group_id` identifies the prompt; the `group_size` attempts of one prompt form a GRPO group.
 `infra_failure` marks an attempt lost to infrastructure (sandbox crash, timeout of the harness):
 it still completes its group but is excluded from the group's statistics and never trained on;
@@ -32,6 +40,7 @@ _ARRAY_FIELDS = {
     "behaviour_logprobs": np.float32,
     "policy_versions": np.int32,
     "routing": np.uint8,
+    "segment_lengths": np.int32,
 }
 
 
@@ -48,6 +57,17 @@ class Episode:
   infra_failure: bool = False
   episode_id: str = ""
   hack_flags: tuple = ()
+  segment_lengths: Optional[np.ndarray] = None
+
+  def segment_bounds(self) -> list[tuple[int, int]]:
+    """[(start, end)] of each context segment in the token arrays; one segment when unset.
+
+    Assumes `segment_lengths` passed `validate` (positive, summing to the token count).
+    """
+    if self.segment_lengths is None:
+      return [(0, int(self.tokens.size))]
+    ends = np.cumsum(np.asarray(self.segment_lengths, np.int64))
+    return [(int(e - n), int(e)) for e, n in zip(ends, self.segment_lengths)]
 
   def to_record(self) -> dict:
     """A msgpack-able dict: arrays become {"dtype", "shape", "data"}."""
@@ -85,7 +105,7 @@ class Episode:
                behaviour_logprobs=arrays["behaviour_logprobs"],
                policy_versions=(arrays["policy_versions"] if arrays["policy_versions"] is not None
                                 else None),
-               routing=arrays["routing"])
+               routing=arrays["routing"], segment_lengths=arrays["segment_lengths"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +114,8 @@ class ValidationSpec:
 
   Attributes:
     vocab_size: token ids must lie in [0, vocab_size).
-    max_len: longest episode (the packed row length).
+    max_len: longest training sequence (at most the packed row length): the whole episode,
+      or each context segment of one with `segment_lengths`.
     routing_shape: (moe_layers, k) of recorded routing; None accepts episodes without routing.
     num_experts: routing entries must lie in [0, num_experts).
     require_routing: reject episodes without routing (router replay needs it).
@@ -108,7 +129,12 @@ class ValidationSpec:
 
 
 def validate(ep: Episode, spec: ValidationSpec) -> Optional[str]:
-  """The reason `ep` cannot be trained on, or None. Infra failures are not validated further."""
+  """The reason `ep` cannot be trained on, or None. Infra failures are not validated further.
+
+  Segments: `bad_segment_lengths` when they are not a 1-D integer array of positive lengths,
+  `segment_lengths_sum` when they do not add up to the token count, `segment_too_long` when one
+  segment exceeds `spec.max_len` (a segmented episode may be longer than that as a whole).
+  """
   if ep.infra_failure:
     return None
   if not isinstance(ep.reward, float) or not math.isfinite(ep.reward):
@@ -118,8 +144,19 @@ def validate(ep: Episode, spec: ValidationSpec) -> Optional[str]:
   t = ep.tokens
   if t.ndim != 1 or t.size == 0:
     return "empty"
-  if t.size > spec.max_len:
-    return "too_long"
+  seg = ep.segment_lengths
+  if seg is None:
+    if t.size > spec.max_len:
+      return "too_long"
+  else:
+    seg = np.asarray(seg)
+    if seg.ndim != 1 or seg.size == 0 or not np.issubdtype(seg.dtype, np.integer) or \
+        np.any(seg <= 0):
+      return "bad_segment_lengths"
+    if int(seg.astype(np.int64).sum()) != t.size:
+      return "segment_lengths_sum"
+    if int(seg.max()) > spec.max_len:
+      return "segment_too_long"
   for name in ("loss_mask", "policy_versions"):
     a = getattr(ep, name)
     if a is None:

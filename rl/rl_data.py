@@ -8,10 +8,12 @@ checkpointed with the train state and a restart neither repeats nor skips data):
   2. `GroupAndScore`: validates each record (bad data is counted and logged, never fatal), drops
      episodes whose every trained token is staler than the bound, collects the `group_size`
      attempts of each prompt, computes GRPO advantages over the group (infrastructure failures
-     excluded from the statistics and from training) and emits one training example per episode.
+     excluded from the statistics and from training) and emits one training example per episode
+     context segment (one for an episode without `segment_lengths`; every segment of a
+     self-summarised episode is its own sequence with the episode's advantage).
      Pending groups are kept in its state as (shard, index) references, not copies.
-  3. grain's first-fit packing puts several episodes into each row (segment ids, positions
-     restarting per episode), then batching and renaming to the learner's batch fields.
+  3. grain's first-fit packing puts several sequences into each row (segment ids, positions
+     restarting per sequence), then batching and renaming to the learner's batch fields.
 """
 
 from __future__ import annotations
@@ -309,7 +311,8 @@ class _GroupIterator(grain.DatasetIterator):
     ds.stats.rejections = self._log.counts
     # group id -> {"size": int or None, "entries": [[shard, index, status], ...]}
     self._pending: collections.OrderedDict[str, dict] = collections.OrderedDict()
-    self._ready: collections.deque = collections.deque()  # [shard, index, advantage]
+    # [shard, index, advantage, segment]: the next example is that segment of that episode.
+    self._ready: collections.deque = collections.deque()
 
   # -- record handling -----------------------------------------------------------------------
   def _episode(self, shard: str, index: int) -> Episode:
@@ -374,22 +377,29 @@ class _GroupIterator(grain.DatasetIterator):
     self._ds.stats.groups += 1
     for e, a in zip(scored, adv):
       if e[2] == "ok":
-        self._ready.append([e[0], e[1], float(a)])
+        self._ready.append([e[0], e[1], float(a), 0])
 
-  def _example(self, shard: str, index: int, adv: float) -> dict:
+  def _example(self, shard: str, index: int, adv: float, segment: int) -> dict:
+    """The training sequence of one context segment of an episode (the whole of an unsegmented
+    one); when more segments follow, the next one is queued first so an episode stays together."""
     ep = self._episode(shard, index)
-    trained = ep.loss_mask.astype(bool)
-    lp = np.where(trained, ep.behaviour_logprobs, 0.0).astype(np.float32)
+    bounds = ep.segment_bounds()
+    if segment + 1 < len(bounds):
+      self._ready.appendleft([shard, index, adv, segment + 1])
+    start, end = bounds[segment]
+    trained = ep.loss_mask[start:end].astype(bool)
+    lp = np.where(trained, ep.behaviour_logprobs[start:end], 0.0).astype(np.float32)
     out = {
-        "tokens": ep.tokens.astype(np.int32),
+        "tokens": ep.tokens[start:end].astype(np.int32),
         "loss_mask": trained.astype(np.int32),
         "behaviour_logprobs": lp,
-        "policy_versions": np.where(trained, ep.policy_versions, 0).astype(np.int32),
-        "advantages": np.full(ep.tokens.shape, adv, np.float32),
+        "policy_versions": np.where(trained, ep.policy_versions[start:end], 0).astype(np.int32),
+        "advantages": np.full(end - start, adv, np.float32),
     }
     if self._cfg.include_routing:
-      out["routing"] = np.transpose(ep.routing, (1, 0, 2)).astype(np.uint8)
-    self._ds.stats.episodes += 1
+      out["routing"] = np.transpose(ep.routing[:, start:end], (1, 0, 2)).astype(np.uint8)
+    if segment == 0:
+      self._ds.stats.episodes += 1
     return out
 
   # -- iterator protocol ---------------------------------------------------------------------
@@ -402,8 +412,9 @@ class _GroupIterator(grain.DatasetIterator):
           _log.info("stream ended with incomplete group %s", gid)
         raise
       self._add(item)
-    shard, index, adv = self._ready.popleft()
-    return self._example(shard, index, adv)
+    # Entries of states saved before segments existed have no segment: their episode's first.
+    shard, index, adv, segment = (list(self._ready.popleft()) + [0])[:4]
+    return self._example(shard, index, adv, segment)
 
   def get_state(self) -> dict:
     return {

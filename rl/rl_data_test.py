@@ -149,6 +149,51 @@ def test_follow_mode_sees_new_shards(tmp_path):
   assert int(first["segment_ids"].max()) + sum(int(b["segment_ids"].max()) for b in rest) == 8
 
 
+def test_each_segment_of_a_summarised_episode_is_its_own_example(tmp_path):
+  """Group a: a-0 ran in two context windows of 10 and 12 tokens (22 > seq_len 16), a-1 in
+  one. Each segment becomes its own packed sequence (positions from 0) with a-0's advantage;
+  the episode counts once. A state saved between a-0's two segments resumes at the second."""
+  d = str(tmp_path)
+  mask = np.r_[np.zeros(3), np.ones(7), np.zeros(4), np.ones(8)].astype(np.int8)
+  seg = make_episode("a", 1.0, prompt=3, completion=19, group_size=2, seed=1, loss_mask=mask,
+                     segment_lengths=np.array([10, 12], np.int32))
+  with trajectory_io.TrajectoryWriter(d, "w") as w:
+    w.write_all([seg, make_episode("a", 0.0, group_size=2, seed=2)])
+  stats = rl_data.PipelineStats()
+
+  def make():
+    return rl_data.rl_dataset(d, spec=SPEC, seq_len=16, batch_rows=1, version_fn=lambda: 0,
+                              stats=stats)
+
+  batches = _collect(make())
+  assert stats.episodes == 2 and stats.rejections == {}
+  seqs = {}
+  for b in batches:
+    for s in range(1, int(b["segment_ids"].max()) + 1):
+      idx = np.where(b["segment_ids"][0] == s)[0]
+      np.testing.assert_array_equal(b["positions"][0, idx], np.arange(len(idx)))
+      seqs[tuple(b["tokens"][0, idx])] = (b["loss_mask"][0, idx], b["advantages"][0, idx],
+                                          b["routing"][0, idx])
+  assert len(seqs) == 3
+  for start, end in ((0, 10), (10, 22)):
+    m, adv, routing = seqs[tuple(seg.tokens[start:end])]
+    np.testing.assert_array_equal(m, seg.loss_mask[start:end])
+    np.testing.assert_allclose(adv, 1.0, rtol=1e-5)
+    np.testing.assert_array_equal(routing, np.transpose(seg.routing[:, start:end], (1, 0, 2)))
+  # The grouping stage alone: the state after a-0's first segment holds its second.
+  grouped = rl_data.GroupAndScore(rl_data.TrajectorySource(d), spec=SPEC,
+                                  config=rl_data.GroupingConfig(), version_fn=lambda: 0)
+  it = iter(grouped)
+  first = next(it)
+  state = json.loads(json.dumps(it.get_state()))
+  resumed = iter(rl_data.GroupAndScore(rl_data.TrajectorySource(d), spec=SPEC,
+                                       config=rl_data.GroupingConfig(), version_fn=lambda: 0))
+  resumed.set_state(state)
+  rest = list(resumed)
+  assert [len(x["tokens"]) for x in [first] + rest] == [10, 12, 6]
+  np.testing.assert_array_equal(rest[0]["tokens"], seg.tokens[10:])
+
+
 def test_config_errors(tmp_path):
   with pytest.raises(ValueError, match="max_len"):
     rl_data.rl_dataset(str(tmp_path), spec=SPEC, seq_len=8, batch_rows=1, version_fn=lambda: 0)
