@@ -1,12 +1,11 @@
 """Scores a model on a task suite: pass@1 and pass@k with the training harness and sandboxes.
 
 `evaluate(model_or_engine, tasks, *, n, k_list, temperature, max_tokens, seed, pool, ...)` runs
-every task through exactly the code RL trains with --
-`envs.harness.inprocess_policy.InProcessPolicy` over the sampler and
-`envs.harness.single_turn.run_single_turn` (or `envs.harness.agent_loop.run_episode` for tasks
-without a single-turn prompt, such as SWE tasks), grading with hidden tests in fresh sandboxes from
-an `envs.sandbox.pool.WarmPool` -- so an evaluation number and a training reward mean the same
-thing.
+every task through exactly the code RL trains with -- `envs.harness.attempts.run_attempts` (the
+single-turn case for tasks with a prompt, the multi-turn agent loop for repository and SWE
+tasks) with `envs.harness.inprocess_policy.InProcessPolicy` over the sampler, grading with
+hidden tests in fresh sandboxes from an `envs.sandbox.pool.WarmPool` -- so an evaluation number
+and a training reward mean the same thing.
 
 Speed: all tasks are in flight at once (up to `max_concurrency` requests): each task's episode
 runs in its own thread, so every prompt is queued on the engine together and its continuous
@@ -34,8 +33,8 @@ from typing import Any, Callable, Optional, Sequence
 
 from envs import reward as reward_lib
 from envs.harness import agent_loop
+from envs.harness import attempts as attempts_lib
 from envs.harness import inprocess_policy
-from envs.harness import single_turn
 from envs.harness import trajectory as traj_lib
 from envs.tasks import task_format
 from evaluation import passk
@@ -137,14 +136,6 @@ def _task_result(task: task_format.Task, mode: str, trajs: Sequence[traj_lib.Tra
              "truncated": sum(t.flags["truncated"] for t in good)})
 
 
-def _mode_of(task: task_format.Task, mode: str) -> str:
-  if mode == "auto":
-    return "single_turn" if task.prompt else "agent"
-  if mode == "single_turn" and not task.prompt:
-    raise ValueError(f"task {task.task_id} has no single-turn prompt; use mode='agent' or 'auto'")
-  return mode
-
-
 def evaluate(model_or_engine: Any, tasks: Sequence[task_format.Task], *, n: int = 1,
              k_list: Sequence[int] = (1,), temperature: float = 0.0, max_tokens: int = 96,
              seed: int = 0, pool, out_path: Optional[str] = None, tokenizer=None,
@@ -186,12 +177,12 @@ def evaluate(model_or_engine: Any, tasks: Sequence[task_format.Task], *, n: int 
   if isinstance(n, bool) or not isinstance(n, int) or n < 1:
     raise ValueError(f"n must be a positive integer, got {n!r}")
   ks = passk.check_k_list(k_list, n)
-  if mode not in ("auto", "single_turn", "agent"):
+  if mode not in attempts_lib.MODES:
     raise ValueError(f"mode must be auto, single_turn or agent, got {mode!r}")
   ids = [t.task_id for t in tasks]
   if len(set(ids)) != len(ids):
     raise ValueError("task ids must be unique")
-  modes = [_mode_of(t, mode) for t in tasks]
+  modes = [attempts_lib.mode_of(t, mode) for t in tasks]
   if tokenizer is None:
     from moe.tokenizer import ByteTokenizer  # pylint: disable=g-import-not-at-top
     tokenizer = ByteTokenizer()
@@ -210,16 +201,14 @@ def evaluate(model_or_engine: Any, tasks: Sequence[task_format.Task], *, n: int 
     if sampler.max_queue is not None:  # never overflow the engine's queue (QueueFull)
       in_flight = max(1, min(in_flight, sampler.max_queue // n))
 
+    settings = attempts_lib.AttemptSettings(
+        mode=mode, max_tokens=max_tokens, temperature=temperature, reward=reward_config,
+        grade_threads=n, loop=dataclasses.replace(loop_config or agent_loop.LoopConfig(),
+                                                  max_tokens_per_turn=max_tokens))
+
     def run_task(i: int) -> list:
-      task, s = tasks[i], task_seed(seed, tasks[i].task_id)
-      if modes[i] == "single_turn":
-        return single_turn.run_single_turn(
-            task, policy, pool=pool, n=n, max_tokens=max_tokens, temperature=temperature,
-            seed=s, reward_config=reward_config, grade_threads=n)
-      base = loop_config or agent_loop.LoopConfig()
-      return [agent_loop.run_episode(task, policy, pool=pool, config=dataclasses.replace(
-          base, temperature=temperature, seed=s + j, max_tokens_per_turn=max_tokens,
-          reward=reward_config)) for j in range(n)]
+      return attempts_lib.run_attempts(tasks[i], policy, pool=pool, n=n,
+                                       seed=task_seed(seed, tasks[i].task_id), settings=settings)
 
     trajs: list = [None] * len(tasks)
     done = 0

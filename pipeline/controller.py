@@ -1,5 +1,13 @@
-"""The rollout controller: draws tasks, asks the samplers for n attempts per prompt, grades each
-attempt in the sandbox fleet, and hands finished groups to the learner in release order.
+"""The rollout controller: draws tasks, runs n attempts at each through the harness, and hands
+finished groups to the learner in release order.
+
+Episodes: every attempt runs through `envs.harness.attempts.run_attempts`, the path evaluation
+scores with, over a `pipeline.sampler_policy.SamplerPolicy` (the sampler set behind the harness's
+Policy protocol). A single-turn task is the one-turn case (one request for the group's n samples);
+any other task is a multi-turn agent episode (tool calls, test output, self-summarisation), its n
+attempts side by side. `pipeline.episodes.from_trajectory` turns each attempt into the learner's
+record: exactly the tokens the sampler saw and wrote, the model's own tokens trained, one
+segment per context window.
 
 Bounded staleness: group g feeds learner step s(g) = g // prompts_per_step, which the learner
 trains at policy version s(g) (its version equals its step, restarts included). It may start only
@@ -33,15 +41,15 @@ import time
 from typing import Callable, Optional, Sequence
 
 from envs import reward as reward_lib
-from envs.harness import single_turn
+from envs.harness import agent_loop
+from envs.harness import attempts as attempts_lib
 from envs.tasks import task_format
 from moe.tokenizer import ByteTokenizer
 from pipeline import episodes as episodes_lib
 from pipeline import faults
 from pipeline import grade_cache as grade_cache_lib
-from pipeline import samplers as samplers_lib
+from pipeline import sampler_policy
 from pipeline.config import PipelineConfig
-from rollout.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +72,11 @@ class GroupResult:
   infra_failures: int
   hack_flagged: int
   retries: int
+  turns: list = dataclasses.field(default_factory=list)       # per graded attempt
+  tool_calls: list = dataclasses.field(default_factory=list)  # per graded attempt
+  summarised: int = 0       # graded attempts that summarised themselves (> 1 segment)
+  saw_failing_test: int = 0  # graded attempts whose visible tests failed at some point
+  fixed_after_failure: int = 0  # ... and that then passed every hidden test
 
 
 class WriteFailed(RuntimeError):
@@ -74,16 +87,21 @@ class RolloutController:
   """Produces `num_steps * prompts_per_step` groups into `sink`.
 
   Args:
-    tasks: single-turn tasks to draw prompts from (cycled in a seeded order).
+    tasks: the tasks to draw from (cycled in a seeded order): single-turn ones (with a prompt)
+      and multi-turn repository tasks alike.
     samplers: a `pipeline.samplers.SamplerSet`.
-    pool: the sandbox pool (or fleet pool) grading runs in.
+    pool: the sandbox pool (or fleet pool) the agent's tools and grading run in.
     sink: called with each episode list of a group, in release order (e.g. a TrajectoryWriter's
       `write_all` followed by `flush`).
     config: PipelineConfig.
     reward_config: envs RewardConfig.
     on_group: optional callback with each GroupResult (metrics).
-    grade_fn: grading function (task, files, pool, config) -> envs Grade; defaults to
-      envs.reward.grade (tests inject failures through it).
+    grade_fn: grading function (task, files, pool, config[, hack_flags=]) -> envs Grade;
+      defaults to envs.reward.grade (tests inject failures through it). At most
+      `config.grade_workers` grades run at once.
+    tokenizer: the model's tokenizer (default: the byte tokenizer of the tiny models).
+    loop_config: the agent loop's settings for multi-turn tasks (context window, turns,
+      summaries; its per-turn budget is `config.max_new_tokens`).
     sink_path: where `sink` writes (named in write errors).
     write_attempts: tries per group write; an OSError from `sink` (a full disk, a permission
       or network-filesystem hiccup) is retried with doubling back-off from `write_backoff_s`,
@@ -97,13 +115,11 @@ class RolloutController:
                config: PipelineConfig, reward_config=reward_lib.RewardConfig(),
                on_group: Optional[Callable[[GroupResult], None]] = None,
                grade_fn: Optional[Callable] = None, tokenizer=None,
+               loop_config: agent_loop.LoopConfig = agent_loop.LoopConfig(),
                sink_path: Optional[str] = None, write_attempts: int = 5,
                write_backoff_s: float = 0.5, sampler_wait_s: float = 300.0):
     if not tasks:
       raise ValueError("the controller needs at least one task")
-    missing = [t.task_id for t in tasks if not t.prompt]
-    if missing:
-      raise ValueError(f"tasks without a single-turn prompt: {missing[:5]}")
     self.tasks = list(tasks)
     self.samplers = samplers
     self.pool = pool
@@ -111,15 +127,25 @@ class RolloutController:
     self.cfg = config
     self.reward_config = reward_config
     self.on_group = on_group
-    grade = grade_fn or (lambda task, files, pool, config: reward_lib.grade(
-        task, files, pool=pool, config=config))
+    grade = grade_fn or (lambda task, files, pool, config, hack_flags=None: reward_lib.grade(
+        task, files, pool=pool, config=config, hack_flags=hack_flags))
     # With config.grade_cache, repeated attempts reuse their grade (pipeline/grade_cache.py).
     self.grade_cache = grade_cache_lib.GradeCache(grade) if config.grade_cache else None
     self.grade_fn = self.grade_cache or grade
+    self._grade_slots = threading.BoundedSemaphore(config.grade_workers)
     self.tok = tokenizer or ByteTokenizer()
+    self.policy = sampler_policy.SamplerPolicy(samplers, self.tok,
+                                               timeout_s=config.request_timeout_s)
+    self.settings = attempts_lib.AttemptSettings(
+        max_tokens=config.max_new_tokens, temperature=config.temperature, top_p=config.top_p,
+        reward=reward_config, grade_threads=config.grade_workers,
+        loop=dataclasses.replace(loop_config, max_tokens_per_turn=config.max_new_tokens))
     self._order = random.Random(config.seed)
     self._epochs: list[list] = []
-    self._grader = concurrent.futures.ThreadPoolExecutor(config.grade_workers)
+    # Groups in flight at once: those the staleness bound lets start, with room for one more
+    # step; each runs its attempts (threads of its own for multi-turn tasks) to the end.
+    self._runner = concurrent.futures.ThreadPoolExecutor(
+        (config.max_staleness + 2) * config.prompts_per_step, thread_name_prefix="group")
     self._lock = threading.Condition()
     self._finished: dict[int, GroupResult] = {}
     self._error: Optional[BaseException] = None
@@ -135,6 +161,8 @@ class RolloutController:
     self.episodes_written = 0
     self.infra_failures = 0
     self.write_retries = 0
+    self.episode_stats = {"graded": 0, "turns": 0, "tool_calls": 0, "summarised": 0,
+                          "saw_failing_test": 0, "fixed_after_failure": 0}
 
   # -- task order ----------------------------------------------------------------------------
   def task_for(self, index: int) -> task_format.Task:
@@ -186,84 +214,86 @@ class RolloutController:
     return n
 
   # -- one group -----------------------------------------------------------------------------
+  def _grade(self, task, files, *, pool, config, hack_flags=None):
+    """The harness's grade function: `grade_fn`, at most `grade_workers` at once."""
+    with self._grade_slots:
+      if hack_flags:
+        return self.grade_fn(task, files, pool, config, hack_flags=hack_flags)
+      return self.grade_fn(task, files, pool, config)
+
   def _launch(self, index: int, task: task_format.Task, start_version: int) -> None:
-    cfg = self.cfg
-    prompt_ids = [self.tok.bos_id] + self.tok.encode(task.prompt)
-    params = SamplingParams(n=cfg.attempts, max_tokens=cfg.max_new_tokens,
-                            temperature=cfg.temperature, top_p=cfg.top_p,
-                            stop_token_ids=(self.tok.eos_id,), stop=single_turn.STOP,
-                            seed=(cfg.seed * 1_000_003 + index) % (2**31))
-    t0 = time.monotonic()
-    retries_before = self.samplers.retries
-    fut = self.samplers.submit(prompt_ids, params, timeout=cfg.request_timeout_s)
-
-    def on_done(f):
-      try:
-        comps = f.result()
-      except samplers_lib.RequestRejected as e:
-        # Not an infrastructure failure: every attempt of every group would be refused the same
-        # way, and masking them would train on nothing. Stop the run with the sampler's reason.
-        with self._lock:
-          self._error = RuntimeError(
-              f"group {index} ({task.task_id}): the sampler rejected the request: {e}")
-          self._lock.notify_all()
-        return
-      except Exception as e:  # pylint: disable=broad-except
-        log.warning("group %d (%s): every sampler attempt failed: %s", index, task.task_id, e)
-        comps = None
-      gen_s = time.monotonic() - t0
-      try:
-        self._grader.submit(self._grade_group, index, task, prompt_ids, comps, start_version,
-                            gen_s, self.samplers.retries - retries_before)
-      except RuntimeError:  # the run has ended (stopped or failed): nothing will write this group
-        log.info("group %d finished after the run ended; dropped", index)
-
-    fut.add_done_callback(on_done)
-
-  def _grade_group(self, index, task, prompt_ids, comps, start_version, gen_s, retries):
     try:
-      t0 = time.monotonic()
-      gid = f"g{index:06d}-{task.task_id}"
-      n = self.cfg.attempts
-      eps, rewards, passed = [], [], []
-      infra = hacked = 0
-      for j in range(n):
-        comp = None if comps is None else comps[j]
-        eid = f"{gid}-a{j}"
-        if comp is None:
-          eps.append(episodes_lib.from_completion(
-              group_id=gid, episode_id=eid, group_size=n, prompt_ids=prompt_ids,
-              completion=None, reward=None, infra_failure=True))
-          rewards.append(None)
-          passed.append(False)
-          infra += 1
-          continue
-        files = dict(task.files)
-        files["solution.py"] = single_turn.solution_file(task, self.tok.decode(comp.token_ids))
-        g = self.grade_fn(task, files, self.pool, self.reward_config)
-        ok = g.status == reward_lib.OK
-        infra += not ok
-        hacked += bool(g.hack_flags)
-        eps.append(episodes_lib.from_completion(
-            group_id=gid, episode_id=eid, group_size=n, prompt_ids=prompt_ids, completion=comp,
-            reward=g.reward if ok else None, infra_failure=not ok, hack_flags=g.hack_flags))
-        rewards.append(g.reward if ok else None)
-        passed.append(bool(ok and g.test_reward == 1.0))
-      result = GroupResult(
-          index=index, step=index // self.cfg.prompts_per_step, task_id=task.task_id,
-          episodes=eps, rewards=rewards, passed=passed, start_version=start_version,
-          gen_tokens=sum(len(c.token_ids) for c in comps or ()), gen_s=gen_s,
-          grade_s=time.monotonic() - t0, infra_failures=infra, hack_flagged=hacked,
-          retries=retries)
+      self._runner.submit(self._run_group, index, task, start_version)
+    except RuntimeError:  # the run has ended (stopped or failed): nothing will write this group
+      log.info("group %d launched after the run ended; dropped", index)
+
+  def _run_group(self, index: int, task: task_format.Task, start_version: int) -> None:
+    try:
+      result = self._attempts(index, task, start_version)
     except BaseException as e:  # pylint: disable=broad-except
       with self._lock:
         self._error = e
         self._lock.notify_all()
       raise
+    if result is None:
+      return
     with self._lock:
       self._finished[index] = result
-      self.episodes_generated += len(eps)
+      self.episodes_generated += len(result.episodes)
       self._lock.notify_all()
+
+  def _attempts(self, index: int, task: task_format.Task,
+                start_version: int) -> Optional[GroupResult]:
+    t0 = time.monotonic()
+    n = self.cfg.attempts
+    retries_before = getattr(self.samplers, "retries", 0)
+    trajs = attempts_lib.run_attempts(
+        task, self.policy, pool=self.pool, n=n, seed=(self.cfg.seed * 1_000_003 + index) % (2**31),
+        settings=self.settings, grade_fn=self._grade)
+    if self.policy.rejected is not None:
+      # Not an infrastructure failure: every attempt of every group would be refused the same
+      # way, and masking them would train on nothing. Stop the run with the sampler's reason.
+      with self._lock:
+        self._error = RuntimeError(f"group {index} ({task.task_id}): the sampler rejected the "
+                                   f"request: {self.policy.rejected}")
+        self._lock.notify_all()
+      return None
+    gid = f"g{index:06d}-{task.task_id}"
+    eps, rewards, passed = [], [], []
+    turns, calls = [], []
+    infra = hacked = summarised = saw_fail = fixed = 0
+    for j, tr in enumerate(trajs):
+      ep = episodes_lib.from_trajectory(tr, group_id=gid, episode_id=f"{gid}-a{j}", group_size=n)
+      eps.append(ep)
+      if ep.infra_failure:
+        infra += 1
+        rewards.append(None)
+        passed.append(False)
+        if tr.status == reward_lib.OK:
+          log.warning("group %d attempt %d: no model tokens; masked", index, j)
+        elif tr.infra_error:
+          log.warning("group %d attempt %d lost to infrastructure: %s", index, j,
+                      tr.infra_error)
+        continue
+      ok = tr.test_reward == 1.0
+      rewards.append(float(tr.reward))
+      passed.append(bool(ok))
+      hacked += bool(tr.hack_flags)
+      turns.append(tr.num_turns)
+      calls.append(len(tr.tool_calls))
+      summarised += len(tr.segments) > 1
+      failed_tests = any(c.name == "run_tests" and not c.ok for c in tr.tool_calls)
+      saw_fail += failed_tests
+      fixed += failed_tests and ok
+    return GroupResult(
+        index=index, step=index // self.cfg.prompts_per_step, task_id=task.task_id,
+        episodes=eps, rewards=rewards, passed=passed, start_version=start_version,
+        gen_tokens=sum(t.num_model_tokens for t in trajs),
+        gen_s=max(t.timings.get("generate_s", 0.0) for t in trajs),
+        grade_s=sum(t.timings.get("grade_s", 0.0) for t in trajs), infra_failures=infra,
+        hack_flagged=hacked, retries=getattr(self.samplers, "retries", 0) - retries_before,
+        turns=turns, tool_calls=calls, summarised=summarised, saw_failing_test=saw_fail,
+        fixed_after_failure=fixed)
 
   # -- main loop -----------------------------------------------------------------------------
   def run(self, num_steps: int, stop: Optional[threading.Event] = None) -> int:
@@ -304,13 +334,14 @@ class RolloutController:
         self.groups_written = next_write
         self.episodes_written += len(result.episodes)
         self.infra_failures += result.infra_failures
+        self._count(result)
         # A kill here (tests: RL_FAULTS=controller.after_write@K) leaves K groups on disk and
         # later ones launched but unwritten; `resume` must pick up at group K.
         faults.point("controller.after_write")
         if self.on_group is not None:
           self.on_group(result)
     finally:
-      self._grader.shutdown(wait=not stop.is_set())
+      self._runner.shutdown(wait=not stop.is_set(), cancel_futures=stop.is_set())
     return self.groups_written
 
   def _min_version(self, stop: threading.Event) -> Optional[int]:
@@ -352,16 +383,36 @@ class RolloutController:
         time.sleep(delay)  # not cut short by `stop`: a finished group is written or refused
         delay = min(2 * delay, 30.0)
 
+  def _count(self, result: GroupResult) -> None:
+    e = self.episode_stats
+    e["graded"] += len(result.turns)
+    e["turns"] += sum(result.turns)
+    e["tool_calls"] += sum(result.tool_calls)
+    e["summarised"] += result.summarised
+    e["saw_failing_test"] += result.saw_failing_test
+    e["fixed_after_failure"] += result.fixed_after_failure
+
   def summary(self) -> dict:
     """The run's counts: episodes generated (graded by this process), written, attempts lost
     to infrastructure (written, flagged and masked), sampler requests and writes retried, and
     episodes lost (generated but never written: dropped when the run stopped or failed).
-    `resumed_at` is the group this process started at (the groups a previous one wrote)."""
+    `resumed_at` is the group this process started at (the groups a previous one wrote).
+    Over the written, graded attempts: mean turns and tool calls, how many summarised
+    themselves, how many saw a visible test fail and how many of those then passed."""
     with self._lock:
       generated = self.episodes_generated
+    e = self.episode_stats
+    graded = max(e["graded"], 1)
     return {"groups_written": self.groups_written, "resumed_at": self.resumed_at,
             "episodes_generated": generated, "episodes_written": self.episodes_written,
             "infra_failures": self.infra_failures,
             "sampler_retries": int(getattr(self.samplers, "retries", 0)),
             "write_retries": self.write_retries,
-            "episodes_lost": generated - self.episodes_written}
+            "episodes_lost": generated - self.episodes_written,
+            "mean_turns": round(e["turns"] / graded, 3),
+            "tool_calls_per_episode": round(e["tool_calls"] / graded, 3),
+            "summarised_episodes": e["summarised"],
+            "saw_failing_test": e["saw_failing_test"],
+            "fixed_after_failure": e["fixed_after_failure"],
+            "sampler_requests": self.policy.requests,
+            "prompt_tokens_sent": self.policy.prompt_tokens}

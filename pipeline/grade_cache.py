@@ -37,18 +37,22 @@ class GradeCache:
     self._grades: collections.OrderedDict = collections.OrderedDict()
 
   @staticmethod
-  def key(task, files: Mapping[str, str], config) -> tuple:
-    return (task.task_id, tuple(sorted(files.items())), repr(config))
+  def key(task, files: Mapping[str, str], config, hack_flags=None) -> tuple:
+    flags = tuple(sorted((f, tuple(e)) for f, e in (hack_flags or {}).items()))
+    return (task.task_id, tuple(sorted(files.items())), repr(config), flags)
 
-  def __call__(self, task, files: Mapping[str, str], pool, config):
-    k = self.key(task, files, config)
+  def __call__(self, task, files: Mapping[str, str], pool, config, hack_flags=None):
+    """The grade of `files`; `hack_flags` (found by the agent loop from the episode's commands
+    and reads) are part of the key and passed on only when there are some."""
+    k = self.key(task, files, config, hack_flags)
     with self._lock:
       if k in self._grades:
         self._grades.move_to_end(k)
         self.hits += 1
         return self._grades[k]
       self.misses += 1
-    grade = self.grade_fn(task, files, pool, config)
+    grade = (self.grade_fn(task, files, pool, config, hack_flags=hack_flags) if hack_flags
+             else self.grade_fn(task, files, pool, config))
     if grade.status == reward_lib.OK:
       with self._lock:
         self._grades[k] = grade

@@ -2,7 +2,12 @@
 and route around samplers that fail.
 
 `EngineSampler` wraps an in-process `rollout.engine.Engine`; `HttpSampler` talks to a sampling
-server over its OpenAI-compatible HTTP API (the multi-process deployment). `SamplerSet` sends each
+server over its OpenAI-compatible HTTP API (the multi-process deployment) through the harness's
+completions client (`envs.harness.openai_policy`, the project's one). Both answer with the
+harness's `envs.harness.policy.Completion` (token ids, logprobs, versions, routing of the
+generated and of the prompt positions), the one type the controller, the harness and
+`pipeline.episodes` handle; `pipeline.sampler_policy` puts a `SamplerSet` behind the harness's
+`Policy` protocol. `SamplerSet` sends each
 request to the live sampler with the least work in flight and, when a sampler fails a request
 (it died, its connection broke, it timed out), marks it dead and retries the request on another
 one, so no request is lost and none is answered twice. A request a sampler refuses as invalid
@@ -18,7 +23,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import http.client
-import json
 import logging
 import threading
 import time
@@ -26,9 +30,10 @@ import urllib.error
 import urllib.request
 from typing import Optional, Sequence
 
-import numpy as np
-
-from rollout.engine import Completion, EngineStopped
+from envs.harness import inprocess_policy
+from envs.harness import openai_policy
+from moe.tokenizer import ByteTokenizer
+from rollout.engine import EngineStopped
 from rollout.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -44,18 +49,33 @@ class RequestRejected(ValueError):
 
 
 class EngineSampler:
-  """An in-process engine."""
+  """An in-process engine; its completions become the harness's Completions."""
 
   def __init__(self, engine, name: str = "sampler"):
     self.engine = engine
     self.name = name
+    self.tokenizer = getattr(engine, "tokenizer", None) or ByteTokenizer()
 
   def submit(self, prompt_ids: Sequence[int], params: SamplingParams,
              timeout: Optional[float] = None) -> concurrent.futures.Future:
     try:
-      return self.engine.submit(list(prompt_ids), params, timeout=timeout).future
+      handle = self.engine.submit(list(prompt_ids), params, timeout=timeout)
     except EngineStopped as e:
       raise SamplerDown(f"{self.name}: {e}") from e
+    out: concurrent.futures.Future = concurrent.futures.Future()
+
+    def done(f):
+      if f.exception() is not None:
+        out.set_exception(f.exception())
+        return
+      try:
+        out.set_result([inprocess_policy.convert(c, self.tokenizer, params.max_tokens,
+                                                 params.stop) for c in f.result()])
+      except Exception as e:  # pylint: disable=broad-except
+        out.set_exception(e)
+
+    handle.future.add_done_callback(done)
+    return out
 
   def version(self) -> int:
     return int(self.engine.version)
@@ -65,76 +85,61 @@ class EngineSampler:
 
 
 class HttpSampler:
-  """A sampling server reached over HTTP (`POST /v1/completions` with token-id prompts)."""
+  """A sampling server reached over HTTP (`POST /v1/completions` with token-id prompts).
 
-  def __init__(self, base_url: str, name: str = "", workers: int = 64):
+  Requests go through `envs.harness.openai_policy.OpenAIPolicy` with the project server's extra
+  fields (stop token ids, routing of generated and prompt positions, a server-side timeout).
+  `require` names the fields a choice must carry (default: token ids, logprobs, per-token
+  versions); a server that leaves one out is refused with the reason (`RequestRejected`).
+  """
+
+  def __init__(self, base_url: str, name: str = "", workers: int = 64, tokenizer=None,
+               require: Sequence[str] = ("token_ids", "logprobs", "policy_versions")):
     self.base_url = base_url.rstrip("/")
     self.name = name or base_url
     self._executor = concurrent.futures.ThreadPoolExecutor(workers)
+    self.client = openai_policy.OpenAIPolicy(self.base_url, "policy",
+                                             tokenizer or ByteTokenizer(), require=require)
 
-  def _fetch(self, path: str, body: Optional[dict], timeout: Optional[float]) -> bytes:
-    """GET (body None) or POST JSON; returns the response body.
-
-    Raises:
-      RequestRejected: the server refused the request (HTTP 4xx other than 429).
-      SamplerDown: anything else (refused or reset connection, timeout, a body cut short,
-        HTTP 429 / 5xx).
-    """
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(self.base_url + path, data=data,
-                                 headers={"Content-Type": "application/json"})
+  def _get(self, path: str, timeout: float) -> bytes:
+    """GET /health or /metrics; SamplerDown on anything but a 200."""
     try:
-      with urllib.request.urlopen(req, timeout=timeout) as r:
+      with urllib.request.urlopen(self.base_url + path, timeout=timeout) as r:
         return r.read()
-    except urllib.error.HTTPError as e:
-      if e.code in (429, 500, 502, 503, 504):
-        raise SamplerDown(f"{self.name}: {path}: HTTP {e.code}") from e
-      raise RequestRejected(f"{self.name}: {path}: HTTP {e.code}: {e.read()[:500]!r}") from e
     except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
       raise SamplerDown(f"{self.name}: {path}: {e!r}") from e
 
   def _complete(self, prompt_ids, params: SamplingParams, timeout) -> list:
-    body = {"model": "policy", "prompt": [int(t) for t in prompt_ids], "n": params.n,
-            "max_tokens": params.max_tokens, "temperature": params.temperature,
-            "top_p": params.top_p, "seed": params.seed, "logprobs": 1,
-            "stop_token_ids": list(params.stop_token_ids), "return_routing": True,
-            "return_prompt_routing": True}
+    extra = {"stop_token_ids": list(params.stop_token_ids), "return_routing": True,
+             "return_prompt_routing": True}
     if timeout is not None:
-      body["timeout"] = timeout
-    if params.stop:
-      body["stop"] = list(params.stop)
-    raw = self._fetch("/v1/completions", body, None if timeout is None else timeout + 30)
+      extra["timeout"] = timeout
     try:
-      out = json.loads(raw)
-    except json.JSONDecodeError as e:  # a body cut short by a dying server
-      raise SamplerDown(f"{self.name}: unreadable response ({e})") from e
-
-    def arr(x):  # [moe_layers][positions][k] lists -> uint8 array
-      return None if x is None else np.asarray(x, np.uint8)
-
-    comps = []
-    for ch in sorted(out["choices"], key=lambda c: c["index"]):
-      comps.append(Completion(
-          token_ids=list(ch["token_ids"]), logprobs=list(ch["logprobs"]["token_logprobs"]),
-          routing=arr(ch.get("routing")), policy_versions=list(ch["policy_versions"]),
-          finish_reason=ch.get("finish_reason") or "stop", text=ch.get("text", ""),
-          index=ch["index"], prompt_routing=arr(ch.get("prompt_routing"))))
-    return comps
+      return self.client.complete(
+          prompt_ids, max_tokens=params.max_tokens, stop=params.stop,
+          temperature=params.temperature, top_p=params.top_p, seed=params.seed, n=params.n,
+          extra=extra, timeout_s=None if timeout is None else timeout + 30)
+    except (openai_policy.ServerRejected, openai_policy.MissingField) as e:
+      raise RequestRejected(f"{self.name}: {e}") from e
+    except openai_policy.ServerUnavailable as e:
+      raise SamplerDown(f"{self.name}: {e}") from e
+    except openai_policy.MalformedResponse as e:  # a broken answer: this server is at fault
+      raise SamplerDown(f"{self.name}: {e}") from e
 
   def submit(self, prompt_ids, params: SamplingParams, timeout: Optional[float] = None):
-    return self._executor.submit(self._complete, list(prompt_ids), params, timeout)
+    return self._executor.submit(self._complete, [int(t) for t in prompt_ids], params, timeout)
 
   def version(self) -> int:
-    for line in self._fetch("/metrics", None, 5).decode().splitlines():
+    for line in self._get("/metrics", 5).decode().splitlines():
       if line.startswith("rollout_policy_version"):
         return int(float(line.split()[-1]))
     raise SamplerDown(f"{self.name}: /metrics has no policy_version")
 
   def alive(self) -> bool:
     try:
-      self._fetch("/health", None, 5)
+      self._get("/health", 5)
       return True
-    except (SamplerDown, RequestRejected):
+    except SamplerDown:
       return False
 
 

@@ -148,9 +148,9 @@ def test_single_turn_trajectories_carry_the_server_fields(engine, policy, pool):
     assert seg.model_mask == [False] * prompt_len + [True] * n
     assert seg.logprobs[prompt_len:] == ref.logprobs
     assert seg.policy_versions == [-1] * prompt_len + [engine.version] * n
-    routing = seg.routing
-    assert np.all(routing[:, :prompt_len] == -1)
-    np.testing.assert_array_equal(routing[:, prompt_len:], ref.routing)
+    routing = seg.routing  # row t: the step whose input was token t (prompt routing not asked)
+    assert np.all(routing[:, :prompt_len - 1] == -1) and np.all(routing[:, -1] == -1)
+    np.testing.assert_array_equal(routing[:, prompt_len - 1:prompt_len - 1 + n], ref.routing)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Callable
 
 from envs import hacks
 from envs import reward as reward_lib
@@ -45,9 +46,13 @@ class LoopConfig:
   summary_max_tokens: int = 512
   max_summaries: int = 3
   temperature: float = 1.0
+  top_p: float = 1.0
   seed: int | None = None
   observation_max_chars: int = 4000
   reward: reward_lib.RewardConfig = reward_lib.RewardConfig()
+  # The tools the system prompt lists (None: all of toolcall.TOOL_SPECS). Small models with
+  # small context windows get a short list.
+  tools: tuple[str, ...] | None = None
 
 
 class _Budget(Exception):
@@ -56,9 +61,23 @@ class _Budget(Exception):
     self.reason = reason
 
 
+def initial_prompt(instructions: str, config: LoopConfig) -> str:
+  """The text that opens every context: system prompt (tool list), instructions, assistant."""
+  if config.tools is None:
+    return toolcall.initial_prompt(instructions)
+  return toolcall.initial_prompt(instructions, tool_names=config.tools)
+
+
 def run_episode(task: task_format.Task, policy: policy_lib.Policy, *, pool: pool_lib.WarmPool,
-                config: LoopConfig = LoopConfig()) -> traj_lib.Trajectory:
-  """Runs one episode of `task` with `policy`; always returns a Trajectory."""
+                config: LoopConfig = LoopConfig(),
+                grade_fn: Callable[..., reward_lib.Grade] = reward_lib.grade
+                ) -> traj_lib.Trajectory:
+  """Runs one episode of `task` with `policy`; always returns a Trajectory.
+
+  Every context (segment) starts with `policy.start_ids()` and is sent to the policy whole, so
+  the segment's tokens are exactly the tokens the sampler saw and wrote. `grade_fn` grades the
+  final files (envs.reward.grade's signature; the RL controller passes a memoised one).
+  """
   t0 = time.monotonic()
   timings = {"sandbox_start_s": 0.0, "generate_s": 0.0, "tools_s": 0.0, "grade_s": 0.0}
   max_turns = config.max_turns or task.limits.max_turns
@@ -67,7 +86,7 @@ def run_episode(task: task_format.Task, policy: policy_lib.Policy, *, pool: pool
   segments = [traj_lib.Segment()]
   records: list[traj_lib.ToolCallRecord] = []
   state = {"generated": 0, "turns": 0, "malformed": 0, "summaries": 0}
-  initial = policy.encode(toolcall.initial_prompt(task.instructions))
+  initial = policy.start_ids() + policy.encode(initial_prompt(task.instructions, config))
 
   def fail(reason: str, finish: str = "error") -> traj_lib.Trajectory:
     timings["total_s"] = time.monotonic() - t0
@@ -86,7 +105,7 @@ def run_episode(task: task_format.Task, policy: policy_lib.Policy, *, pool: pool
     t = time.monotonic()
     seed = None if config.seed is None else config.seed + state["generated"]
     comp = policy.complete(seg.token_ids, max_tokens=min(max_tokens, left), stop=stop,
-                           temperature=config.temperature, seed=seed)[0]
+                           temperature=config.temperature, seed=seed, top_p=config.top_p)[0]
     timings["generate_s"] += time.monotonic() - t
     state["generated"] += len(comp.token_ids)
     seg.add_completion(comp)
@@ -140,8 +159,8 @@ def run_episode(task: task_format.Task, policy: policy_lib.Policy, *, pool: pool
         state["summaries"] += 1
         summary = comp.text.replace(toolcall.IM_END, "").strip()
         fresh = traj_lib.Segment()
-        fresh.add_text_tokens(policy.encode(toolcall.initial_prompt(
-            f"{task.instructions}\n\nSummary of your progress so far:\n{summary}")))
+        fresh.add_text_tokens(policy.start_ids() + policy.encode(initial_prompt(
+            f"{task.instructions}\n\nSummary of your progress so far:\n{summary}", config)))
         segments.append(fresh)
         continue
       comp = generate(seg, config.max_tokens_per_turn, toolcall.STOP)
@@ -194,7 +213,7 @@ def run_episode(task: task_format.Task, policy: policy_lib.Policy, *, pool: pool
   flags = hacks.detect(task, final_files, commands=box.commands, read_paths=box.read_paths,
                        events=box.events)
   t = time.monotonic()
-  grade = reward_lib.grade(task, final_files, pool=pool, config=config.reward, hack_flags=flags)
+  grade = grade_fn(task, final_files, pool=pool, config=config.reward, hack_flags=flags)
   timings["grade_s"] = time.monotonic() - t
   timings["total_s"] = time.monotonic() - t0
   return traj_lib.Trajectory(

@@ -6,9 +6,13 @@ The sampler is any callable
         -> list[completion]
 
 where each completion has `token_ids`, `logprobs`, `routing` (int array [moe_layers, T, k] or
-None) and `policy_versions` (per-token list, an int, or None). Samplers stop on token ids only,
-so multi-token stop strings (`</tool_call>`) are applied here: the completion is cut just after
-the first stop string, and every per-token field is cut with it.
+None), optionally `prompt_routing` ([moe_layers, P-1, k]), and `policy_versions` (per-token
+list, an int, or None). A sampler that stops on token ids only is fine: multi-token stop strings
+(`</tool_call>`) are applied here too, cutting the completion just after the first stop string
+with every per-token field.
+
+`add_bos`: the model's contexts start with BOS (`start_ids`); the harness puts it at the head of
+each segment, and prompts are sent exactly as given, so the trajectory holds what the sampler saw.
 """
 
 from __future__ import annotations
@@ -40,34 +44,50 @@ class InProcessPolicy:
   def decode(self, ids: Sequence[int]) -> str:
     return self.tokenizer.decode(ids)
 
-  def complete(self, prompt_ids, *, max_tokens, stop=(), temperature=1.0, seed=None, n=1):
-    ids = list(prompt_ids)
-    if self.add_bos and (not ids or ids[0] != self.tokenizer.bos_id):
-      ids = [self.tokenizer.bos_id] + ids
+  def start_ids(self) -> list[int]:
+    return [self.tokenizer.bos_id] if self.add_bos else []
+
+  def complete(self, prompt_ids, *, max_tokens, stop=(), temperature=1.0, seed=None, n=1,
+               top_p=1.0):
+    kwargs = {"top_p": top_p} if top_p != 1.0 else {}
     try:
-      raw = self.generate(ids, n=n, max_tokens=max_tokens, temperature=temperature,
-                          stop_token_ids=[self.tokenizer.eos_id], seed=seed)
+      raw = self.generate(list(prompt_ids), n=n, max_tokens=max_tokens, temperature=temperature,
+                          stop_token_ids=[self.tokenizer.eos_id], seed=seed, **kwargs)
     except Exception as e:  # pylint: disable=broad-except
       raise policy_lib.PolicyError(f"generate failed: {type(e).__name__}: {e}") from e
-    return [self._convert(c, max_tokens, stop) for c in raw]
+    return [convert(c, self.tokenizer, max_tokens, stop) for c in raw]
 
-  def _convert(self, c: Any, max_tokens: int, stop: Sequence[str]) -> policy_lib.Completion:
-    tokens = [int(t) for t in c.token_ids]
-    n = len(tokens)
-    cut, hit = policy_lib.truncate_at_stop(tokens, self.decode, stop)
-    eos = self.tokenizer.eos_id
-    if eos in tokens[:cut]:
-      cut, hit = tokens.index(eos) + 1, "<eos>"
-    logprobs = getattr(c, "logprobs", None)
-    logprobs = [float(x) for x in logprobs][:cut] if logprobs is not None else None
-    versions = getattr(c, "policy_versions", None)
-    if isinstance(versions, (int, np.integer)):
-      versions = [int(versions)] * n
-    versions = [int(v) for v in versions][:cut] if versions is not None else None
-    routing = getattr(c, "routing", None)
-    if routing is not None:
-      routing = np.asarray(routing)[:, :cut]
-    tokens = tokens[:cut]
-    finish = "stop" if hit else ("length" if len(tokens) >= max_tokens else "stop")
-    return policy_lib.Completion(token_ids=tokens, text=self.decode(tokens), logprobs=logprobs,
-                                 routing=routing, policy_versions=versions, finish_reason=finish)
+
+def convert(c: Any, tokenizer: Any, max_tokens: int,
+            stop: Sequence[str] = ()) -> policy_lib.Completion:
+  """A sampler's completion (e.g. a rollout.engine.Completion) as the harness's Completion.
+
+  Cut after the first stop string or EOS (`tokenizer.eos_id`) with every per-token field; the
+  text is the decoding of the kept ids (stop string included), and `prompt_routing` is passed
+  through. Used by InProcessPolicy and by the RL pipeline's in-process samplers.
+  """
+  decode = tokenizer.decode
+  tokens = [int(t) for t in c.token_ids]
+  n = len(tokens)
+  cut, hit = policy_lib.truncate_at_stop(tokens, decode, stop)
+  eos = tokenizer.eos_id
+  if eos in tokens[:cut]:
+    cut, hit = tokens.index(eos) + 1, "<eos>"
+  logprobs = getattr(c, "logprobs", None)
+  logprobs = [float(x) for x in logprobs][:cut] if logprobs is not None else None
+  versions = getattr(c, "policy_versions", None)
+  if isinstance(versions, (int, np.integer)):
+    versions = [int(versions)] * n
+  versions = [int(v) for v in versions][:cut] if versions is not None else None
+  routing = getattr(c, "routing", None)
+  if routing is not None:
+    routing = np.asarray(routing)[:, :cut]
+  tokens = tokens[:cut]
+  finish = "stop" if hit else ("length" if len(tokens) >= max_tokens else "stop")
+  if getattr(c, "finish_reason", None) in ("cancelled", "error", "timeout"):
+    finish = c.finish_reason  # the sampler gave up on it: the caller must not grade it
+  prompt_routing = getattr(c, "prompt_routing", None)
+  return policy_lib.Completion(token_ids=tokens, text=decode(tokens), logprobs=logprobs,
+                               routing=routing, policy_versions=versions, finish_reason=finish,
+                               prompt_routing=None if prompt_routing is None
+                               else np.asarray(prompt_routing))

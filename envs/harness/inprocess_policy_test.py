@@ -20,8 +20,10 @@ TOK = tokenizer_lib.ByteTokenizer()
 def test_adapter_cuts_at_stop_strings_and_eos():
   gen = scripted_sampler.scripted_generate(["abc</tool_call>tail", "xyz"])
   pol = inprocess_policy.InProcessPolicy(gen, TOK, add_bos=True)
-  a, b = pol.complete(TOK.encode("hi"), max_tokens=50, stop=["</tool_call>"], n=2)
-  assert gen.calls[0]["prompt"][0] == TOK.bos_id
+  assert pol.start_ids() == [TOK.bos_id]
+  prompt = pol.start_ids() + TOK.encode("hi")
+  a, b = pol.complete(prompt, max_tokens=50, stop=["</tool_call>"], n=2)
+  assert gen.calls[0]["prompt"] == prompt  # sent exactly as given: the harness adds BOS
   assert gen.calls[0]["stop_token_ids"] == [TOK.eos_id]
   assert a.text == "abc</tool_call>" and a.finish_reason == "stop"
   assert len(a.logprobs) == len(a.token_ids) == a.routing.shape[1] == len(a.policy_versions)

@@ -65,9 +65,13 @@ def test_episode_over_http_keeps_sampler_fields(pool):
   assert set(np.array(seg.policy_versions)[~mask]) == {-1}
   routing = seg.routing
   assert routing.shape == (3, len(seg.token_ids), 2)
-  assert np.all(routing[:, ~mask] == -1) and np.all(routing[:, mask] >= 0)
+  # Row j of a completion's routing is the step whose input was the token before token j.
   ids = np.array(seg.token_ids)
-  np.testing.assert_array_equal(routing[1, mask, 0], (ids[mask] + 1) % 8)
+  fed = np.nonzero(mask)[0] - 1
+  covered = np.zeros(len(ids), bool)
+  covered[fed] = True
+  assert np.all(routing[:, ~covered] == -1) and np.all(routing[:, covered] >= 0)
+  np.testing.assert_array_equal(routing[1, fed, 0], (ids[mask] + 1) % 8)
   assert "ignored tail" not in TOK.decode(seg.token_ids)
 
 

@@ -29,7 +29,13 @@ class Completion:
   token_ids: tokens the model wrote (the stop string's tokens included when it wrote them).
   text: their decoding.
   logprobs: per-token log-probabilities under the sampling policy, or None if unknown.
-  routing: int array [moe_layers, len(token_ids), k] of chosen experts, or None.
+  routing: int array [moe_layers, len(token_ids), k] of chosen experts, or None. Row j is the
+    routing of the step whose input was the token before token j (the prompt's last token for
+    j = 0), i.e. positions P-1 .. P+T-2 of prompt + completion.
+  prompt_routing: int array [moe_layers, P-1, k]: the experts of prompt positions 0..P-2 from
+    the sampler's prefill (its prefix cache's record for cached positions), or None. With
+    `routing` it covers every position the sampler processed, so router replay covers tool
+    output and other harness text as well as the model's tokens.
   policy_versions: per-token policy version, or None.
   finish_reason: "stop" (a stop string or EOS) or "length".
   stop_appended: a stop string the server matched but left out of the text; the harness adds
@@ -42,6 +48,7 @@ class Completion:
   policy_versions: list[int] | None = None
   finish_reason: str = "stop"
   stop_appended: str = ""
+  prompt_routing: np.ndarray | None = None
 
 
 class Tokenizer(Protocol):
@@ -63,11 +70,16 @@ class Policy(Protocol):
   def decode(self, ids: Sequence[int]) -> str:
     ...
 
+  def start_ids(self) -> list[int]:
+    """Tokens every context starts with (the model's BOS, or none). The harness puts them at
+    the head of each segment itself, so the prompt it sends is exactly the segment's tokens."""
+    ...
+
   def complete(self, prompt_ids: Sequence[int], *, max_tokens: int, stop: Sequence[str] = (),
-               temperature: float = 1.0, seed: int | None = None, n: int = 1
-               ) -> list[Completion]:
-    """Samples `n` continuations of `prompt_ids`, each ending at a stop string, EOS or
-    `max_tokens`. Raises PolicyError on infrastructure failure."""
+               temperature: float = 1.0, seed: int | None = None, n: int = 1,
+               top_p: float = 1.0) -> list[Completion]:
+    """Samples `n` continuations of `prompt_ids` (sent as they are), each ending at a stop
+    string, EOS or `max_tokens`. Raises PolicyError on infrastructure failure."""
     ...
 
 
@@ -112,8 +124,12 @@ class ScriptedPolicy:
   def decode(self, ids: Sequence[int]) -> str:
     return self.tokenizer.decode(ids)
 
-  def complete(self, prompt_ids, *, max_tokens, stop=(), temperature=1.0, seed=None, n=1):
-    del temperature, seed
+  def start_ids(self) -> list[int]:
+    return []
+
+  def complete(self, prompt_ids, *, max_tokens, stop=(), temperature=1.0, seed=None, n=1,
+               top_p=1.0):
+    del temperature, seed, top_p
     prompt = self.decode(prompt_ids)
     out = []
     for _ in range(n):

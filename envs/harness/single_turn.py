@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+from typing import Callable
 
 from envs import reward as reward_lib
 from envs.harness import policy as policy_lib
@@ -31,17 +32,21 @@ def solution_file(task: task_format.Task, completion_text: str) -> str:
 
 def run_single_turn(task: task_format.Task, policy: policy_lib.Policy, *,
                     pool: pool_lib.WarmPool, n: int = 1, max_tokens: int = 96,
-                    temperature: float = 1.0, seed: int | None = None,
+                    temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
                     reward_config: reward_lib.RewardConfig = reward_lib.RewardConfig(),
-                    grade_threads: int = 4) -> list[traj_lib.Trajectory]:
-  """Samples `n` completions of `task.prompt` and grades each; one Trajectory per sample."""
+                    grade_threads: int = 4,
+                    grade_fn: Callable[..., reward_lib.Grade] = reward_lib.grade
+                    ) -> list[traj_lib.Trajectory]:
+  """Samples `n` completions of `task.prompt` (one request) and grades each with `grade_fn`
+  (envs.reward.grade's signature); one Trajectory per sample, its one segment holding exactly
+  the prompt sent (`policy.start_ids()` + the encoded prompt) and the tokens returned."""
   if not task.prompt:
     raise ValueError(f"task {task.task_id} has no single-turn prompt")
   t0 = time.monotonic()
-  prompt_ids = policy.encode(task.prompt)
+  prompt_ids = policy.start_ids() + policy.encode(task.prompt)
   try:
     comps = policy.complete(prompt_ids, max_tokens=max_tokens, stop=STOP,
-                            temperature=temperature, seed=seed, n=n)
+                            temperature=temperature, seed=seed, n=n, top_p=top_p)
   except policy_lib.PolicyError as e:
     seg = traj_lib.Segment()
     seg.add_text_tokens(prompt_ids)
@@ -56,7 +61,7 @@ def run_single_turn(task: task_format.Task, policy: policy_lib.Policy, *,
     t = time.monotonic()
     files = dict(task.files)
     files["solution.py"] = solution_file(task, comp.text)
-    g = reward_lib.grade(task, files, pool=pool, config=reward_config)
+    g = grade_fn(task, files, pool=pool, config=reward_config)
     seg = traj_lib.Segment()
     seg.add_text_tokens(prompt_ids)
     seg.add_completion(comp)

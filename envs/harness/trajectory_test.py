@@ -34,9 +34,43 @@ def test_segment_aligns_text_and_model_tokens_with_routing():
   assert seg.policy_versions == [-1] * 3 + [7, 7] + [-1] + [-1] * 3
   r = seg.routing
   assert r.shape == (2, 9, 3)
-  assert np.all(r[:, [0, 1, 2, 5]] == -1)
-  np.testing.assert_array_equal(r[:, 3:5], np.arange(12).reshape(2, 2, 3))
-  np.testing.assert_array_equal(r[:, 6:9], np.arange(18).reshape(2, 3, 3) + 10)
+  # Row j of a completion's routing is the step whose input was the token before it: the first
+  # completion (prompt of 3) covers positions 2..3, the second (prompt of 6) 5..7; the last
+  # token (8) was never fed to the sampler, and no prefill routing was reported.
+  assert np.all(r[:, [0, 1, 4, 8]] == -1)
+  np.testing.assert_array_equal(r[:, 2:4], np.arange(12).reshape(2, 2, 3))
+  np.testing.assert_array_equal(r[:, 5:8], np.arange(18).reshape(2, 3, 3) + 10)
+
+
+def test_prompt_routing_covers_harness_text_and_decode_routing_wins():
+  seg = trajectory.Segment()
+  seg.add_text_tokens([1, 2, 3])
+  c = _completion(2)
+  c.prompt_routing = np.full((2, 2, 3), 50)  # positions 0, 1
+  seg.add_completion(c)
+  seg.add_text_tokens([4, 5])
+  c2 = _completion(1, start=10)
+  # The second prompt has 7 tokens: its prefill covers positions 0..5; its rows for 2..3
+  # (decoded earlier) and 0..1 (covered by the first prefill) are ignored, 4..5 are new.
+  c2.prompt_routing = np.full((2, 6, 3), 60)
+  seg.add_completion(c2)
+  r = seg.routing
+  assert r.shape == (2, 8, 3)
+  assert np.all(r[:, 0:2] == 50)
+  np.testing.assert_array_equal(r[:, 2:4], np.arange(12).reshape(2, 2, 3))
+  np.testing.assert_array_equal(r[:, 6], (np.arange(6) + 10).reshape(2, 3))  # decode of c2
+  assert np.all(r[:, 4:6] == 60)
+  assert np.all(r[:, 7] == -1)  # the last token: never processed
+
+
+def test_prompt_routing_of_wrong_length_raises():
+  seg = trajectory.Segment()
+  seg.add_text_tokens([1, 2, 3])
+  c = _completion(2)
+  c.prompt_routing = np.zeros((2, 3, 3))  # the prompt has 3 tokens: 2 positions expected
+  with pytest.raises(trajectory.ShapeMismatch, match="prompt_routing has shape"):
+    seg.add_completion(c)
+  assert len(seg) == 3
 
 
 def test_no_routing_reported_is_none_not_an_error():
