@@ -206,9 +206,12 @@ def evaluate(model_or_engine: Any, tasks: Sequence[task_format.Task], *, n: int 
         grade_threads=n, loop=dataclasses.replace(loop_config or agent_loop.LoopConfig(),
                                                   max_tokens_per_turn=max_tokens))
 
+    slots = attempts_lib.episode_slots(pool, reserved=n)
+
     def run_task(i: int) -> list:
       return attempts_lib.run_attempts(tasks[i], policy, pool=pool, n=n,
-                                       seed=task_seed(seed, tasks[i].task_id), settings=settings)
+                                       seed=task_seed(seed, tasks[i].task_id), settings=settings,
+                                       slots=slots)
 
     trajs: list = [None] * len(tasks)
     done = 0

@@ -133,6 +133,7 @@ class RolloutController:
     self.grade_cache = grade_cache_lib.GradeCache(grade) if config.grade_cache else None
     self.grade_fn = self.grade_cache or grade
     self._grade_slots = threading.BoundedSemaphore(config.grade_workers)
+    self._episode_slots = attempts_lib.episode_slots(pool, config.grade_workers)
     self.tok = tokenizer or ByteTokenizer()
     self.policy = sampler_policy.SamplerPolicy(samplers, self.tok,
                                                timeout_s=config.request_timeout_s)
@@ -249,7 +250,7 @@ class RolloutController:
     retries_before = getattr(self.samplers, "retries", 0)
     trajs = attempts_lib.run_attempts(
         task, self.policy, pool=self.pool, n=n, seed=(self.cfg.seed * 1_000_003 + index) % (2**31),
-        settings=self.settings, grade_fn=self._grade)
+        settings=self.settings, grade_fn=self._grade, slots=self._episode_slots)
     if self.policy.rejected is not None:
       # Not an infrastructure failure: every attempt of every group would be refused the same
       # way, and masking them would train on nothing. Stop the run with the sampler's reason.

@@ -19,6 +19,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from envs import reward as reward_lib
+from envs.harness import agent_loop
 from pipeline import controller as controller_lib
 from pipeline import samplers as samplers_lib
 from pipeline.config import PipelineConfig
@@ -72,9 +73,25 @@ class WeightChannel:
     return report
 
 
-def check_capacity(tasks: Sequence, config: PipelineConfig, tokenizer=None) -> None:
-  """Raises ValueError unless a step's episodes surely fit its [batch_rows, seq_len] batch."""
+def check_capacity(tasks: Sequence, config: PipelineConfig, tokenizer=None,
+                   loop_config: Optional[agent_loop.LoopConfig] = None) -> None:
+  """Raises ValueError unless a step's episodes surely fit its [batch_rows, seq_len] batch.
+
+  Multi-turn tasks (no single-turn prompt) train one sequence per context segment, each at most
+  the agent loop's context window (plus the closing template tokens), so seq_len must hold one;
+  how many segments an episode has depends on the model, so a step that overflows its rows
+  drops whole episodes and counts them (StepStats.overflow_episodes) rather than failing here.
+  """
   tok = tokenizer or ByteTokenizer()
+  if any(not t.prompt for t in tasks):
+    window = (loop_config or agent_loop.LoopConfig()).max_context_tokens + _CLOSING_TOKENS
+    if window > config.seq_len:
+      raise ValueError(f"multi-turn episodes train context segments of up to {window} tokens "
+                       f"(the agent loop's max_context_tokens + {_CLOSING_TOKENS}) but seq_len "
+                       f"is {config.seq_len}")
+    tasks = [t for t in tasks if t.prompt]
+    if not tasks:
+      return
   longest = 1 + max(len(tok.encode(t.prompt)) for t in tasks) + config.max_new_tokens
   if longest > config.seq_len:
     raise ValueError(f"an episode can take {longest} tokens (prompt + max_new_tokens) but "
@@ -84,6 +101,10 @@ def check_capacity(tasks: Sequence, config: PipelineConfig, tokenizer=None) -> N
   if config.batch_rows < need:
     raise ValueError(f"{config.episodes_per_step} episodes of up to {longest} tokens need "
                      f"{need} rows of {config.seq_len}; batch_rows is {config.batch_rows}")
+
+
+# Template tokens the agent loop may add after the last completion of a segment ("<|im_end|>\n").
+_CLOSING_TOKENS = 16
 
 
 def swap_into(engine):
@@ -132,6 +153,8 @@ class RunResult:
   batcher: dict
   learner_restarts: int
   learner: object  # the learner at the end (a restarted one after a crash)
+  controller: dict = dataclasses.field(default_factory=dict)  # RolloutController.summary()
+  samplers: dict = dataclasses.field(default_factory=dict)  # the engines' summed counters
 
 
 def run(*, learner, tasks: Sequence, pool, workdir: str, config: PipelineConfig, num_steps: int,
@@ -143,12 +166,14 @@ def run(*, learner, tasks: Sequence, pool, workdir: str, config: PipelineConfig,
         stop: Optional[threading.Event] = None,
         after_start: Optional[Callable[[dict], None]] = None,
         learner_factory: Optional[Callable[[], object]] = None,
+        loop_config: agent_loop.LoopConfig = agent_loop.LoopConfig(),
         max_learner_restarts: int = 3) -> RunResult:
   """Runs `num_steps` learner steps of asynchronous RL (max staleness config.max_staleness).
 
   Args:
     learner: an rl.learner.Learner with objective "policy" (its policy is the starting policy).
-    tasks: single-turn tasks (envs.tasks.task_format.Task with a prompt).
+    tasks: the tasks (envs.tasks.task_format.Task): single-turn ones and multi-turn repository
+      tasks alike (every attempt runs through envs.harness.attempts).
     pool: envs WarmPool for grading.
     workdir: trajectories, weights and checkpoints go under it.
     config: PipelineConfig.
@@ -162,6 +187,7 @@ def run(*, learner, tasks: Sequence, pool, workdir: str, config: PipelineConfig,
       everything is built, before the controller starts (tests use it to inject faults).
     learner_factory: builds a fresh learner after the learner loop dies; the new one restores the
       latest checkpoint and the pipeline carries on (samplers and controller keep running).
+    loop_config: the agent loop's settings for multi-turn tasks.
 
   Raises:
     ValueError: the learner's staleness bound is not config.max_staleness (the run's one bound;
@@ -172,7 +198,7 @@ def run(*, learner, tasks: Sequence, pool, workdir: str, config: PipelineConfig,
     raise ValueError(f"the learner's staleness bound ({learner.loss_cfg.max_staleness}) is not "
                      f"the pipeline's (PipelineConfig.max_staleness = {config.max_staleness}); "
                      "build it with rl.learner.build_learner(..., max_staleness=...)")
-  check_capacity(tasks, config)
+  check_capacity(tasks, config, loop_config=loop_config)
   stop = stop or threading.Event()
   os.makedirs(workdir, exist_ok=True)
   traj_dir = os.path.join(workdir, "trajectories")
@@ -218,7 +244,7 @@ def run(*, learner, tasks: Sequence, pool, workdir: str, config: PipelineConfig,
 
   controller = controller_lib.RolloutController(
       tasks, sampler_set, pool, group_sink(writer), config=config,
-      reward_config=reward_config, on_group=on_group, grade_fn=grade_fn)
+      reward_config=reward_config, on_group=on_group, grade_fn=grade_fn, loop_config=loop_config)
   controller.groups_written = done_groups
   errors: list = []
 
@@ -259,6 +285,7 @@ def run(*, learner, tasks: Sequence, pool, workdir: str, config: PipelineConfig,
     ct.join(timeout=60)
     for t in threads:
       t.join(timeout=10)
+    sampler_counts = sampler_totals(engines)
     for e in engines:
       e.stop()
     writer.close()
@@ -273,4 +300,18 @@ def run(*, learner, tasks: Sequence, pool, workdir: str, config: PipelineConfig,
       learner_wait_s=waits[0], learner_train_s=waits[1], learner_publish_s=waits[2],
       controller_wait_s=controller.wait_s, sampler_retries=sampler_set.retries, swaps=swaps,
       batcher=dataclasses.asdict(loop.batcher.stats), learner_restarts=restarts,
-      learner=learner)
+      learner=learner, controller=controller.summary(), samplers=sampler_counts)
+
+
+def sampler_totals(engines) -> dict:
+  """The engines' counters summed (`Engine.metrics()` totals; gauges left out), with the prefix
+  cache's hit rate over all of them: prompt tokens served from the cache / tokens looked up."""
+  out: dict = {}
+  for e in engines:
+    for k, v in e.metrics().items():
+      if k.endswith("_total") and isinstance(v, (int, float)):
+        out[k] = out.get(k, 0) + v
+  looked = out.get("prefix_cache_lookup_tokens_total", 0)
+  out["prefix_cache_hit_rate"] = (out.get("prefix_cache_hit_tokens_total", 0) / looked
+                                  if looked else 0.0)
+  return out

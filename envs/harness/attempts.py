@@ -12,7 +12,9 @@ sandbox until it submits.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
+import threading
 from typing import Callable, Optional
 
 from envs import reward as reward_lib
@@ -62,10 +64,23 @@ def mode_of(task: task_format.Task, mode: str = "auto") -> str:
   return mode
 
 
+def episode_slots(pool, reserved: int) -> threading.BoundedSemaphore:
+  """How many multi-turn episodes may hold a sandbox at once, for callers that run many.
+
+  An agent episode holds its sandbox for all its turns (mostly waiting on the sampler), and the
+  pool caps live sandboxes (`WarmPool.max_live`): episodes started beyond the cap would wait in
+  `acquire` and fail after its timeout as infrastructure errors. Callers pass the semaphore to
+  every `run_attempts`, so the extra episodes wait for a slot instead, leaving `reserved`
+  sandboxes for grading (which runs after the episode has given its own back).
+  """
+  cap = int(getattr(pool, "max_live", 0) or 4)
+  return threading.BoundedSemaphore(max(1, cap - max(0, reserved)))
+
+
 def run_attempts(task: task_format.Task, policy: policy_lib.Policy, *, pool: pool_lib.WarmPool,
                  n: int, seed: Optional[int], settings: AttemptSettings = AttemptSettings(),
-                 grade_fn: Callable[..., reward_lib.Grade] = reward_lib.grade
-                 ) -> list[traj_lib.Trajectory]:
+                 grade_fn: Callable[..., reward_lib.Grade] = reward_lib.grade,
+                 slots: Optional[threading.Semaphore] = None) -> list[traj_lib.Trajectory]:
   """`n` graded attempts at `task`; always n Trajectories, infrastructure failures included.
 
   Args:
@@ -77,6 +92,8 @@ def run_attempts(task: task_format.Task, policy: policy_lib.Policy, *, pool: poo
       unseeded.
     settings: AttemptSettings.
     grade_fn: envs.reward.grade or a wrapper with its signature (memoising, bounding).
+    slots: a semaphore each multi-turn episode holds while it runs (see `episode_slots`); None
+      runs the n episodes at once.
   """
   if n < 1:
     raise ValueError(f"n must be >= 1, got {n}")
@@ -91,7 +108,8 @@ def run_attempts(task: task_format.Task, policy: policy_lib.Policy, *, pool: poo
 
   def one(j: int) -> traj_lib.Trajectory:
     cfg = dataclasses.replace(loop, seed=None if seed is None else seed + j)
-    return agent_loop.run_episode(task, policy, pool=pool, config=cfg, grade_fn=grade_fn)
+    with slots if slots is not None else contextlib.nullcontext():
+      return agent_loop.run_episode(task, policy, pool=pool, config=cfg, grade_fn=grade_fn)
 
   if n == 1:
     return [one(0)]
