@@ -70,22 +70,51 @@ class ParsedTurn:
   order: list[tuple[str, int]]  # ("call", i) or ("error", i) in the order they appeared
 
 
-def system_prompt() -> str:
-  tools = "\n".join(json.dumps(t, separators=(",", ":")) for t in TOOL_SPECS)
-  return (
-      "You are a coding agent working in a repository. Call tools to inspect and change it.\n"
-      f"Tools:\n<tools>\n{tools}\n</tools>\n"
-      "To call a tool, write:\n<tool_call>\n{\"name\": \"read_file\", \"arguments\": "
-      "{\"path\": \"a.py\"}}\n</tool_call>\nCall submit when done.")
+def _optional(description: str) -> bool:
+  return "optional" in description or "default" in description
+
+
+def _signature(spec: dict) -> str:
+  """A tool as `name(arg,arg?)`; `?` marks an argument that has a default or is optional."""
+  args = [k + ("?" if _optional(v) else "") for k, v in spec["parameters"].items()]
+  return f"{spec['name']}({','.join(args)})"
+
+
+def system_prompt(tool_names: tuple[str, ...] | list[str] | None = None) -> str:
+  """The system prompt listing the tools.
+
+  Args:
+    tool_names: None lists every tool with its JSON spec and shows a call (for real models). A
+      subset lists only those tools, one `name(args)` line each, and nothing else: small models
+      with context windows of a few hundred tokens cannot afford more, and learn the call format
+      from pre-training transcripts. The tool-call format is the same either way.
+  """
+  if tool_names is None:
+    tools = "\n".join(json.dumps(t, separators=(",", ":")) for t in TOOL_SPECS)
+    return (
+        "You are a coding agent working in a repository. Call tools to inspect and change it.\n"
+        f"Tools:\n<tools>\n{tools}\n</tools>\n"
+        "To call a tool, write:\n<tool_call>\n{\"name\": \"read_file\", \"arguments\": "
+        "{\"path\": \"a.py\"}}\n</tool_call>\nCall submit when done.")
+  names = list(tool_names)
+  unknown = [n for n in names if n not in TOOL_NAMES]
+  if unknown or not names or len(set(names)) != len(names):
+    raise ValueError(f"tool_names must be distinct names among {', '.join(TOOL_NAMES)}; "
+                     f"got {names!r}")
+  by_name = {t["name"]: t for t in TOOL_SPECS}
+  tools = "\n".join(_signature(by_name[n]) for n in names)
+  return f"<tools>\n{tools}\n</tools>"
 
 
 def render_message(role: str, content: str) -> str:
   return f"{IM_START}{role}\n{content}{IM_END}\n"
 
 
-def initial_prompt(instructions: str) -> str:
-  return (render_message("system", system_prompt()) + render_message("user", instructions) +
-          f"{IM_START}assistant\n")
+def initial_prompt(instructions: str,
+                   tool_names: tuple[str, ...] | list[str] | None = None) -> str:
+  """System prompt (see `system_prompt` for `tool_names`), instructions, assistant header."""
+  return (render_message("system", system_prompt(tool_names)) +
+          render_message("user", instructions) + f"{IM_START}assistant\n")
 
 
 def render_responses(observations: list[str]) -> str:
