@@ -6,7 +6,8 @@ small set and then never again):
     every slot that samples from it (n completions share one prefill), and samples each slot's
     first token. Shapes: (P, L) buckets; the slot list is always padded to max_slots.
   * `decode_chunk`: `steps` decode steps for the first `nb` slots inside one `lax.scan`, sampling
-    on device, attending over the first `sv` cache positions. Finished rows stop advancing; the
+    on device, attending over the first `sv` cache positions. A row that finishes moves to its
+    last token's position and stays there (its KV before it is kept exact); the
     host reads tokens/logprobs/routing once per chunk. Static (nb, sv) come from buckets.
 
 Why: per-call dispatch and a host sync per token would dominate on the CPU; a scan of `steps`
@@ -71,7 +72,8 @@ def decode_chunk(params, cache_k, cache_v, slots, *, cfg: ModelConfig, nb: int, 
     cache_k, cache_v: per-layer keys [B, KV, hd, S] and values [B, KV, S, hd] (donated).
     slots: dict of SLOT_FIELDS arrays, each [B] ("stop" is [B, max_stop_ids]); only the first nb
       rows are used. `tok` is each slot's next input token at position `pos`; `remaining` counts
-      tokens still to generate; inactive rows compute but emit nothing and do not advance.
+      tokens still to generate; inactive rows compute but emit nothing and do not advance (a row
+      that stops advances once more, onto the position of its last token).
     cfg, nb, sv, steps, caps, top_n: static shape parameters.
 
   Returns:
@@ -94,7 +96,11 @@ def decode_chunk(params, cache_k, cache_v, slots, *, cfg: ModelConfig, nb: int, 
     stopped = jnp.any(tok[:, None] == st["stop"], axis=-1) | (remaining <= 0)
     active = valid & ~stopped
     new = {"tok": jnp.where(valid, tok, c["tok"]),
-           "pos": c["pos"] + active.astype(jnp.int32),
+           # A row that stops here still advances once: its later steps in this chunk then
+           # write the last token's KV at that token's own position, not over the position
+           # before it, so the slot keeps exact KV for prompt + tokens[:-1] (the prefix cache
+           # copies it when the completion finishes, `rollout.prefix_reuse`).
+           "pos": c["pos"] + valid.astype(jnp.int32),
            "remaining": remaining, "active": active,
            "tindex": c["tindex"] + valid.astype(jnp.int32)}
     out = {"tokens": tok, "logprobs": lp, "routing": routing.astype(cfg.routing_dtype),

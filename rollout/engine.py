@@ -50,6 +50,8 @@ from rollout import forward
 from rollout import kv_cache
 from rollout import outputs
 from rollout import packed_weights
+from rollout import prefix_programs
+from rollout import prefix_reuse
 from rollout import request_checks
 from rollout import scheduler
 from rollout import slot_tables
@@ -85,9 +87,13 @@ class Engine:
     max_len = ec.max_len or cfg.max_seq_len
     for name, v in (("max_slots", ec.max_slots), ("decode_steps", ec.decode_steps),
                     ("prefill_rows", ec.prefill_rows), ("max_len", max_len),
-                    ("length_bucket", ec.length_bucket), ("max_queue", ec.max_queue)):
+                    ("length_bucket", ec.length_bucket), ("max_queue", ec.max_queue),
+                    ("prefix_block_size", ec.prefix_block_size)):
       if v < 1:
         raise ValueError(f"EngineConfig.{name} must be >= 1, got {v}")
+    if ec.prefix_cache_blocks < 0:
+      raise ValueError(f"EngineConfig.prefix_cache_blocks must be >= 0 (0 is off), "
+                       f"got {ec.prefix_cache_blocks}")
     for t in ec.eos_token_ids:
       if not 0 <= t < cfg.vocab_size:
         raise ValueError(f"eos token id {t} is outside the vocabulary ({cfg.vocab_size})")
@@ -99,10 +105,13 @@ class Engine:
     self._flat_rms = None  # weight_checks.rms of _flat, measured once when a swap needs it
     self._params = packed_weights.pack(flat, cfg, ec.dtype)
     self.version = version
+    self._prefix = (prefix_reuse.PrefixReuse(cfg, ec, max_len, self._params["embed"].dtype)
+                    if ec.prefix_cache_blocks else None)
     self._alloc_cache()
     self._slots = slot_tables.new_tables(ec.max_slots, ec.max_stop_ids)
     self._cv_lock = threading.Condition()
-    self._sched = scheduler.Scheduler(ec, max_len, self._cv_lock)
+    self._sched = scheduler.Scheduler(ec, max_len, self._cv_lock,
+                                      planner=self._prefix.plan if self._prefix else None)
     self._pending_swap = None
     self._retired = None
     self._swap_followup = None  # (result, event) of a swap whose first decode call is pending
@@ -121,6 +130,8 @@ class Engine:
     cfg = self.model_config
     dt = self._params["embed"].dtype
     self._ck, self._cv = kv_cache.allocate(cfg, self.config.max_slots, self.max_len, dt)
+    if self._prefix is not None:  # blocks waiting to be copied out of the old cache are lost
+      self._prefix.reset()
 
   def start(self) -> None:
     if self._thread is not None:
@@ -352,7 +363,8 @@ class Engine:
               "tokens_per_second": recent / 10.0,
               "policy_version": self.version,
               "last_swap_pause_seconds": self.last_swap.get("pause_s", 0.0),
-              "swap_pending": int(self._pending_swap is not None)}
+              "swap_pending": int(self._pending_swap is not None),
+              **(self._prefix.metrics() if self._prefix is not None else {})}
 
   # ------------------------------------------------------------------ serving loop
   def _loop(self) -> None:
@@ -411,6 +423,8 @@ class Engine:
       self._flat_rms = None if rms is None else (flat, rms)
     self.version = version
     self.stats["swaps_total"] += 1
+    if self._prefix is not None:  # cached KV is the old weights': never reused after this
+      self._prefix.invalidate()
     # The decode loop stood still from the end of its last call until the next call starts; that
     # next call starts right after this returns, so measure to here (plus a negligible return).
     pause = 0.0 if last_chunk_end is None else time.perf_counter() - last_chunk_end
@@ -478,6 +492,8 @@ class Engine:
 
     Returns whether anything was admitted (the loop calls it until nothing more fits).
     """
+    if self._prefix is not None:  # the scheduler plans with the index: make it current first
+      self._prefix.flush(self._ck, self._cv)
     batch, bucket = self._sched.take_prefill_batch()
     if batch:
       try:
@@ -515,9 +531,14 @@ class Engine:
     staged = []
     for h, slots in batch:
       try:
-        staged.append((h, slots, slot_tables.stage(
-            h, vocab_size=self.model_config.vocab_size, max_stop_ids=ec.max_stop_ids,
-            length=length)))
+        found = self._prefix.lookup(h) if self._prefix is not None else []
+        v = slot_tables.stage(h, vocab_size=self.model_config.vocab_size,
+                              max_stop_ids=ec.max_stop_ids, length=length,
+                              start=len(found) * ec.prefix_block_size)
+        v["blocks"] = [b.block_id for b in found]
+        v["cached_routing"] = (np.concatenate([b.routing for b in found], axis=1)
+                               if found and self.model_config.num_moe_layers else None)
+        staged.append((h, slots, v))
       except Exception as e:
         self._fail_request(h, e)
     if not staged:
@@ -549,10 +570,25 @@ class Engine:
     caps = forward.capacity_tiers(rows * length, cfg, ec.capacity_factors, ec.deterministic)
     top_n = MAX_TOP_LOGPROBS if any(h.params.logprobs for h, _, _ in staged) else 0
     t0 = time.perf_counter()
-    self._ck, self._cv, *out = device_programs.prefill_into_slots(
-        self._params, self._ck, self._cv, a["tokens"], a["lengths"], a["dst"], a["src"],
-        a["temp"], a["top_k"], a["top_p"], a["seed"], a["sample"], cfg=cfg, caps=caps,
-        top_n=top_n)
+    pr = self._prefix
+    # Deterministic mode always extends (from an empty prefix if need be), so a request's
+    # arithmetic never depends on whether the others in its call hit the cache.
+    if pr is not None and (ec.deterministic or any(v["start"] for _, _, v in staged)):
+      table = np.zeros((rows, pr.table_width(max(len(v["blocks"]) for _, _, v in staged))),
+                       np.int32)
+      start = np.zeros(rows, np.int32)
+      for r, (_, _, v) in enumerate(staged):
+        table[r, :len(v["blocks"])] = v["blocks"]
+        start[r] = v["start"]
+      self._ck, self._cv, *out = prefix_programs.extend_into_slots(
+          self._params, self._ck, self._cv, pr.store_k, pr.store_v, table, start, a["tokens"],
+          a["lengths"], a["dst"], a["src"], a["temp"], a["top_k"], a["top_p"], a["seed"],
+          a["sample"], cfg=cfg, caps=caps, top_n=top_n)
+    else:
+      self._ck, self._cv, *out = device_programs.prefill_into_slots(
+          self._params, self._ck, self._cv, a["tokens"], a["lengths"], a["dst"], a["src"],
+          a["temp"], a["top_k"], a["top_p"], a["seed"], a["sample"], cfg=cfg, caps=caps,
+          top_n=top_n)
     out = tuple(np.asarray(x) for x in out)
     self.stats["prefill_calls_total"] += 1
     self.stats["prefill_seconds_total"] += time.perf_counter() - t0
@@ -569,8 +605,16 @@ class Engine:
       first = m
       m += len(slots)
       try:
-        n_p = len(h.prompt)
-        h.prompt_routing = routing[:, r, :n_p - 1] if moe else None
+        n_p, c = len(h.prompt), v["start"]
+        h.cached_tokens = c
+        full = None  # routing of prompt positions [0, n_p): the cached ones, then the prefill's
+        if moe:
+          full = routing[:, r, :n_p - c]
+          if c:
+            full = np.concatenate([v["cached_routing"], full], axis=1)
+        h.prompt_routing = full[:, :n_p - 1] if moe else None
+        if self._prefix is not None:
+          self._prefix.insert_prompt(h, slots[0], full)
         for i, slot in enumerate(slots):
           s = h.samples[i]
           s.slot = slot
@@ -579,7 +623,7 @@ class Engine:
             st[k][slot] = v[k]
           st["sample"][slot] = v["samples"][i]
           t = int(tok[first + i])
-          self._emit(h, s, [t], [float(lp[first + i])], [routing[:, r, n_p - 1]] if moe else [None],
+          self._emit(h, s, [t], [float(lp[first + i])], [full[:, n_p - 1]] if moe else [None],
                      top=[(top_ids[first + i], top_lp[first + i])])
           if s.finish_reason is not None:  # a stop string in the first token
             continue
@@ -604,6 +648,8 @@ class Engine:
     caps = forward.capacity_tiers(nb, cfg, ec.capacity_factors, ec.deterministic)
     top_n = MAX_TOP_LOGPROBS if any(owner[i][0].params.logprobs for i in owned) else 0
     version = self.version
+    if self._prefix is not None:  # the call writes every slot: copy queued blocks out first
+      self._prefix.flush(self._ck, self._cv)
     t0 = time.perf_counter()
     self._ck, self._cv, carried, outs = device_programs.decode_chunk(
         self._params, self._ck, self._cv, st, cfg=cfg, nb=nb, sv=sv, steps=ec.decode_steps,
@@ -669,6 +715,8 @@ class Engine:
     s.finish_reason = reason
     if not text_done and self.tokenizer is not None:
       s.text = outputs.final_text(h, s, reason, self.tokenizer)
+    if self._prefix is not None:  # before the slot is reused: its KV is copied out first
+      self._prefix.insert_finished(h, s, slot)
     self._free(slot)
     self._maybe_complete(h)
 

@@ -48,6 +48,12 @@ class EngineConfig:
     eos_token_ids: stop ids added to every request unless it sets ignore_eos.
     max_stop_ids: most stop token ids per request (a fixed-width device table).
     idle_wait_s: how long the loop sleeps when there is nothing to do (new work wakes it).
+    prefix_cache_blocks: blocks of automatic prefix caching (`rollout.prefix_reuse`): KV of
+      prompt and generated token prefixes kept past their requests, in blocks of
+      `prefix_block_size` positions, so a request that starts with a cached prefix prefills
+      only the rest (the next turn of a conversation, the n attempts of a prompt, a repeated
+      system prompt). Memory: this many blocks of every layer's keys and values. 0 is off.
+    prefix_block_size: tokens per cached block (only whole blocks are cached).
   """
   max_slots: int = 64
   max_len: Optional[int] = None
@@ -62,6 +68,8 @@ class EngineConfig:
   eos_token_ids: tuple = ()
   max_stop_ids: int = 8
   idle_wait_s: float = 0.05
+  prefix_cache_blocks: int = 0
+  prefix_block_size: int = 16
 
 
 @dataclasses.dataclass
@@ -85,6 +93,8 @@ class Completion:
     index: completion index within the request (0..n-1).
     top_logprobs: per token, {token id: logprob} of the `logprobs` most likely tokens of the
       distribution sampled from (None unless the request asked for alternatives).
+    cached_tokens: prompt tokens of its request served from the prefix cache, not prefilled
+      (the same for the n completions of a request, which share one prefill).
   """
   token_ids: list
   logprobs: list
@@ -95,6 +105,7 @@ class Completion:
   prompt_routing: Optional[np.ndarray] = None
   index: int = 0
   top_logprobs: Optional[list] = None
+  cached_tokens: int = 0
 
 
 class Sample:
@@ -136,6 +147,9 @@ class RequestHandle:
     self.on_tokens = on_tokens
     self.samples = [Sample(i) for i in range(params.n)]
     self.prompt_routing: Optional[np.ndarray] = None
+    self.cached_tokens = 0  # prompt tokens taken from the prefix cache
+    self.prefix_keys: Optional[list] = None  # rollout.prefix_cache.chain_keys of the prompt
+    self.prefix_epoch: Optional[int] = None  # the prefix cache's epoch when it was prefilled
     self.future: concurrent.futures.Future = concurrent.futures.Future()
     self.cancelled = False
     self.submitted_at = time.monotonic()

@@ -120,5 +120,6 @@ def completions(h: RequestHandle, cfg: ModelConfig, tokenizer: Optional[object])
     out.append(Completion(token_ids=list(s.tokens), logprobs=list(s.logprobs), routing=routing,
                           policy_versions=list(s.versions), finish_reason=s.finish_reason,
                           text=s.text, prompt_routing=h.prompt_routing, index=s.index,
-                          top_logprobs=list(s.top) if h.params.logprobs else None))
+                          top_logprobs=list(s.top) if h.params.logprobs else None,
+                          cached_tokens=h.cached_tokens))
   return out

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -65,8 +65,13 @@ def end_reason(h: RequestHandle, now: float) -> Optional[str]:
 class Scheduler:
   """Queue, slot ownership, admission, expiry and shape buckets (see the module docstring)."""
 
-  def __init__(self, config: EngineConfig, max_len: int, lock: threading.Condition):
+  def __init__(self, config: EngineConfig, max_len: int, lock: threading.Condition,
+               planner: Optional[Callable] = None):
+    """`planner(handle) -> (tokens to prefill, key of its first uncached prefix block or None)`
+    (`rollout.prefix_reuse.PrefixReuse.plan`) when prefix caching is on; None: every prompt is
+    prefilled whole."""
     self.config = config
+    self.planner = planner
     self.max_len = max_len
     self.lock = lock
     # The waiting submissions, each a deque of its requests, in turn order (the front's turn is
@@ -168,6 +173,11 @@ class Scheduler:
     call takes nothing (see the module docstring). Submissions taken from move to the back of the
     turn order, in the order last taken; the others keep their places ahead of them.
 
+    With a `planner` (prefix caching), the bucket is that of the tokens left to prefill after
+    the cached prefix, and a request whose first uncached block is also the first uncached
+    block of a request already taken waits for the next call: that one then finds the block
+    cached instead of computing it a second time.
+
     Returns:
       ([(handle, [slot] * n)], length bucket), or ([], None) when nothing fits.
     """
@@ -179,6 +189,7 @@ class Scheduler:
     with self.lock:
       order = list(self._groups)
       last_taken = {}  # id(group) -> when it was last taken from
+      computing = set()  # first uncached prefix blocks of the requests taken
       took = True
       while took and len(batch) < ec.prefill_rows:
         took = False
@@ -186,13 +197,18 @@ class Scheduler:
           if not g or len(batch) >= ec.prefill_rows:
             continue
           h = g[0]
-          lb = self.prompt_bucket(len(h.prompt))
+          todo, key = self.planner(h) if self.planner else (len(h.prompt), None)
+          lb = self.prompt_bucket(todo)
           if h.params.n > len(free) - used:
             if not batch:  # the submission whose turn it is waits for slots: nobody overtakes
               return [], None
             continue
           if bucket is not None and lb != bucket:
             continue
+          if key is not None and key in computing:
+            continue
+          if key is not None:
+            computing.add(key)
           g.popleft()
           self.queued_completions -= h.params.n
           bucket = lb

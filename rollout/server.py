@@ -237,11 +237,15 @@ class Server:
                for pi, r in enumerate(results) for c in r]
     prompt_tokens = sum(len(p) for p in req["prompts"]) * n
     completion_tokens = sum(len(c.token_ids) for r in results for c in r)
+    # OpenAI's field; counted like prompt_tokens, once per completion (its request's prompt
+    # tokens that the prefix cache served).
+    cached_tokens = sum(c.cached_tokens for r in results for c in r)
     return web.json_response({
         "id": rid, "object": "text_completion", "created": created,
         "model": req["model"] or self.model_name, "choices": choices,
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens}})
+                  "total_tokens": prompt_tokens + completion_tokens,
+                  "prompt_tokens_details": {"cached_tokens": cached_tokens}}})
 
 def serve(engine: Engine, *, host: str = "127.0.0.1", port: int = 8000,
           admin_port: Optional[int] = None, admin_host: str = "127.0.0.1",

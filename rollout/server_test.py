@@ -280,6 +280,38 @@ def test_health_and_metrics(live):
     assert f"\n{name} " in "\n" + text
 
 
+def test_usage_and_metrics_report_the_prefix_cache(ckpt):
+  from rollout import loading
+  from rollout.engine import EngineConfig
+  engine = loading.load_engine(
+      EngineConfig(max_slots=4, max_len=64, decode_steps=4, prefix_cache_blocks=16,
+                   prefix_block_size=4), hf_checkpoint=ckpt, max_seq_len=64)
+  srv = _Live(engine, model_name="tiny", request_timeout=60.0)
+  try:
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.port}/v1", api_key="unused",
+                           max_retries=0, timeout=120)
+    prompt = [int(t) for t in np.random.default_rng(0).integers(0, 255, 18)]
+    ask = lambda n: client.completions.create(model="tiny", prompt=prompt, max_tokens=2, n=n,
+                                              temperature=0).usage
+    first, again, two = ask(1), ask(1), ask(2)
+    assert first.prompt_tokens_details.cached_tokens == 0
+    # 16 = four whole blocks of the 18-token prompt (the last token is always computed);
+    # counted per completion, as prompt_tokens is.
+    assert again.prompt_tokens_details.cached_tokens == 16 and again.prompt_tokens == 18
+    assert two.prompt_tokens_details.cached_tokens == 32 and two.prompt_tokens == 36
+    with urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/metrics") as r:
+      text = "\n" + r.read().decode()
+    m = engine.metrics()
+    assert m["prefix_cache_hit_tokens_total"] == 32 and m["prefix_cache_lookups_total"] == 3
+    for key in ("hits_total", "hit_tokens_total", "lookups_total", "hit_rate", "blocks",
+                "evictions_total", "invalidations_total"):
+      assert f"\nrollout_prefix_cache_{key} {float(m['prefix_cache_' + key]):g}\n" in text, key
+    assert "\nrollout_prefix_cache_hit_rate 0.592593\n" in text  # 32 of 54 tokens looked up
+  finally:
+    srv.close()
+    engine.stop()
+
+
 def test_health_reports_failing_checks(live):
   state = {"problem": None}
 

@@ -51,7 +51,8 @@ def fit(value, dtype, what: str):
   return x
 
 
-def stage(h: RequestHandle, *, vocab_size: int, max_stop_ids: int, length: int) -> dict:
+def stage(h: RequestHandle, *, vocab_size: int, max_stop_ids: int, length: int,
+          start: int = 0) -> dict:
   """One request's table values, checked and converted (ValueError if one does not fit).
 
   Args:
@@ -59,11 +60,14 @@ def stage(h: RequestHandle, *, vocab_size: int, max_stop_ids: int, length: int) 
     vocab_size: the model's vocabulary (top_k >= it means no top-k filter, the same as 0).
     max_stop_ids: width of the stop-id table.
     length: the prefill call's padded prompt length.
+    start: prompt tokens served from the prefix cache; "prompt" is the rest, what the call
+      prefills (and "start" is returned too).
   """
   p = h.params
-  if not 1 <= len(h.prompt) <= length:
-    raise ValueError(f"prompt of {len(h.prompt)} tokens does not fit the prefill length {length}")
-  prompt = np.asarray([fit(t, np.int32, "prompt token") for t in h.prompt], np.int32)
+  if not 0 <= start < len(h.prompt) or not 1 <= len(h.prompt) - start <= length:
+    raise ValueError(f"prompt of {len(h.prompt)} tokens ({start} cached) does not fit the "
+                     f"prefill length {length}")
+  prompt = np.asarray([fit(t, np.int32, "prompt token") for t in h.prompt[start:]], np.int32)
   if prompt.min() < 0 or prompt.max() >= vocab_size:
     raise ValueError(f"prompt token outside the vocabulary (size {vocab_size})")
   if len(h.stop_ids) > max_stop_ids:
@@ -72,6 +76,7 @@ def stage(h: RequestHandle, *, vocab_size: int, max_stop_ids: int, length: int) 
   stop[:len(h.stop_ids)] = [fit(t, np.int32, "stop token id") for t in h.stop_ids]
   top_k = fit(p.top_k, np.int32, "top_k")
   return {"prompt": prompt,
+          "start": start,
           "temp": fit(p.temperature, np.float32, "temperature"),
           "top_k": top_k if top_k < vocab_size else np.int32(0),
           "top_p": fit(p.top_p, np.float32, "top_p"),
