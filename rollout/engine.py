@@ -91,9 +91,11 @@ class Engine:
                     ("prefix_block_size", ec.prefix_block_size)):
       if v < 1:
         raise ValueError(f"EngineConfig.{name} must be >= 1, got {v}")
-    if ec.prefix_cache_blocks < 0:
-      raise ValueError(f"EngineConfig.prefix_cache_blocks must be >= 0 (0 is off), "
-                       f"got {ec.prefix_cache_blocks}")
+    blocks = ec.prefix_cache_blocks
+    if blocks is None:
+      blocks = ec.max_slots * max_len // ec.prefix_block_size
+    if blocks < 0:
+      raise ValueError(f"EngineConfig.prefix_cache_blocks must be >= 0 (0 is off), got {blocks}")
     for t in ec.eos_token_ids:
       if not 0 <= t < cfg.vocab_size:
         raise ValueError(f"eos token id {t} is outside the vocabulary ({cfg.vocab_size})")
@@ -105,8 +107,8 @@ class Engine:
     self._flat_rms = None  # weight_checks.rms of _flat, measured once when a swap needs it
     self._params = packed_weights.pack(flat, cfg, ec.dtype)
     self.version = version
-    self._prefix = (prefix_reuse.PrefixReuse(cfg, ec, max_len, self._params["embed"].dtype)
-                    if ec.prefix_cache_blocks else None)
+    self._prefix = (prefix_reuse.PrefixReuse(cfg, ec, max_len, self._params["embed"].dtype,
+                                             blocks) if blocks else None)
     self._alloc_cache()
     self._slots = slot_tables.new_tables(ec.max_slots, ec.max_stop_ids)
     self._cv_lock = threading.Condition()

@@ -52,7 +52,10 @@ class EngineConfig:
       prompt and generated token prefixes kept past their requests, in blocks of
       `prefix_block_size` positions, so a request that starts with a cached prefix prefills
       only the rest (the next turn of a conversation, the n attempts of a prompt, a repeated
-      system prompt). Memory: this many blocks of every layer's keys and values. 0 is off.
+      system prompt). Memory: this many blocks of every layer's keys and values. None (the
+      default) sizes it as the slot cache (max_slots * max_len / prefix_block_size blocks, so
+      KV memory doubles); 0 is off. On by default: it costs single-turn work nothing measurable
+      (BENCHMARKS.md, "Prefix caching in the sampler").
     prefix_block_size: tokens per cached block (only whole blocks are cached).
   """
   max_slots: int = 64
@@ -68,7 +71,7 @@ class EngineConfig:
   eos_token_ids: tuple = ()
   max_stop_ids: int = 8
   idle_wait_s: float = 0.05
-  prefix_cache_blocks: int = 0
+  prefix_cache_blocks: Optional[int] = None
   prefix_block_size: int = 16
 
 

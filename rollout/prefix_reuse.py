@@ -42,15 +42,16 @@ log = logging.getLogger(__name__)
 class PrefixReuse:
   """The prefix cache of one engine (see the module docstring)."""
 
-  def __init__(self, cfg: ModelConfig, config: EngineConfig, max_len: int, dtype):
+  def __init__(self, cfg: ModelConfig, config: EngineConfig, max_len: int, dtype, blocks: int):
     self.cfg = cfg
     self.config = config
     self.max_len = max_len
+    self.blocks = blocks
     self.block_size = config.prefix_block_size
-    self.index = prefix_cache.PrefixIndex(config.prefix_cache_blocks, self.block_size)
+    self.index = prefix_cache.PrefixIndex(blocks, self.block_size)
     self._dtype = dtype
-    self.store_k, self.store_v = prefix_programs.allocate_store(
-        cfg, config.prefix_cache_blocks, self.block_size, dtype)
+    self.store_k, self.store_v = prefix_programs.allocate_store(cfg, blocks, self.block_size,
+                                                                dtype)
     self.max_blocks = max(1, (max_len - 1) // self.block_size)  # a cached prefix is < max_len
     self.stats = self.index.stats
 
@@ -112,7 +113,7 @@ class PrefixReuse:
       return
     pending = self.index.take_pending()
     m = scheduler_lib.pow2_at_least(len(pending), 8)
-    n = self.config.prefix_cache_blocks
+    n = self.blocks
     slot = np.zeros(m, np.int32)
     bidx = np.zeros(m, np.int32)
     dst = np.full(m, n, np.int32)  # n is out of range: padding entries are dropped
@@ -137,7 +138,7 @@ class PrefixReuse:
     self.index.clear(invalidation=False)
     if any(x.is_deleted() for x in (*self.store_k, *self.store_v)):
       self.store_k, self.store_v = prefix_programs.allocate_store(
-          self.cfg, self.config.prefix_cache_blocks, self.block_size, self._dtype)
+          self.cfg, self.blocks, self.block_size, self._dtype)
 
   def metrics(self) -> dict:
     """The prefix cache's counters and gauges for `Engine.metrics()`."""

@@ -25,6 +25,7 @@ from testlib import waiting
 B = 4
 BASE = dict(max_slots=4, max_len=64, decode_steps=4, deterministic=True, prefill_rows=2,
             prefix_block_size=B)
+OFF = dict(BASE, prefix_cache_blocks=0)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,7 @@ def cached(model):
 
 @pytest.fixture(scope="module")
 def plain(model):
-  eng = Engine(model, config=EngineConfig(**BASE))
+  eng = Engine(model, config=EngineConfig(**OFF))
   yield eng
   eng.stop()
 
@@ -180,7 +181,7 @@ def test_a_weight_swap_or_delta_invalidates_the_cache(model):
     assert m["prefix_cache_invalidation_events_total"] == 1 and m["prefix_cache_blocks"] == 0
     after, n = _prefilled(eng, gen)
     assert (after.cached_tokens, n) == (0, 21)  # nothing computed by the old weights is reused
-    fresh = Engine(model, config=EngineConfig(**BASE))
+    fresh = Engine(model, config=EngineConfig(**OFF))
     try:
       fresh.swap_weights(new, 1)
       _same(after, fresh.generate(p, max_tokens=3, temperature=0.0)[0])
@@ -236,6 +237,11 @@ def test_cache_off_is_the_old_behaviour(plain):
       [p, p], SamplingParams(max_tokens=3, temperature=0.0))])
   assert n == 42 and a.cached_tokens == b.cached_tokens == 0
   assert plain.metrics()["prefill_calls_total"] == m.get("prefill_calls_total", 0) + 1  # one call
+
+
+def test_on_by_default_sized_as_the_slot_cache(model):
+  eng = Engine(model, config=EngineConfig(max_slots=4, max_len=64), start=False)
+  assert eng.metrics()["prefix_cache_capacity_blocks"] == 4 * 64 // 16
 
 
 def test_bad_settings_are_refused(model):

@@ -121,7 +121,7 @@ def main(argv=None) -> int:
   slots = max(args.episodes, args.single_turn_prompts)
   base = dict(max_slots=slots, max_len=max_len, decode_steps=8,
               prefix_block_size=args.block_size)
-  engines = {"off": Engine(model, config=EngineConfig(**base)),
+  engines = {"off": Engine(model, config=EngineConfig(**base, prefix_cache_blocks=0)),
              "on": Engine(model, config=EngineConfig(
                  **base, prefix_cache_blocks=slots * max_len // args.block_size))}
   ep_kw = dict(episodes=args.episodes, prompt_len=args.prompt_len,
