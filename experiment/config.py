@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from envs.harness import agent_loop
 from moe.config import ModelConfig
 from pipeline.config import PipelineConfig
 from rl.learner import LearnerConfig
@@ -21,7 +22,10 @@ class PretrainConfig:
     batch_rows / seq_len: rows of packed documents per step.
     learning_rate / warmup_steps / end_lr_factor / weight_decay: AdamW with cosine decay.
     corpus_snippets: extra generated snippets besides the train-split tasks' solutions.
-    corpus_repeats: copies of the train-split solutions in the corpus.
+    corpus_repeats: copies of the train-split solutions in the corpus (single-turn suite), or of
+      the agent transcripts of the train tasks (repository suite).
+    transcript_summarised_share: share of train tasks that get a second, self-summarised
+      transcript (repository suite), so the model learns to summarise itself.
     capacity_factor: expert capacity during pre-training (drops are harmless there and save
       compute on the CPU); RL uses the model config's (dropless by default).
   """
@@ -34,6 +38,7 @@ class PretrainConfig:
   weight_decay: float = 0.01
   corpus_snippets: int = 3000
   corpus_repeats: int = 3
+  transcript_summarised_share: float = 0.25
   capacity_factor: Optional[float] = 2.0
 
   def __post_init__(self):
@@ -105,9 +110,56 @@ class EvalConfig:
       raise ValueError(f"EvalConfig: every k in {self.k_list} must lie in [1, samples]")
 
 
+SUITES = ("pyfunc", "repo")
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentConfig:
+  """The agent loop of multi-turn (repository) tasks, shared by RL and evaluation.
+
+  Attributes:
+    max_turns: model turns per episode.
+    max_context_tokens: the context window; an episode that would outgrow it summarises itself
+      and goes on in a fresh context (each context trains as its own sequence).
+    summary_max_tokens / max_summaries: the summary's budget and how many an episode may write.
+    observation_max_chars: tool output is clipped to this.
+    max_calls_per_turn: tool calls executed per model turn.
+    tools: the tools the system prompt lists and the agent may call (None: every tool, listed
+      with its JSON spec).
+    summary_request: the user turn asking for the summary (short: the loop keeps room for it
+      in every context).
+  The tokens per model turn are the pipeline's max_new_tokens in RL and the evaluation's
+  max_tokens, as for single-turn tasks.
+  """
+  max_turns: int = 6
+  max_context_tokens: int = 512
+  summary_max_tokens: int = 64
+  max_summaries: int = 1
+  observation_max_chars: int = 240
+  max_calls_per_turn: int = 1
+  tools: Optional[tuple] = ("run_tests", "read_file", "edit_file", "list_files", "submit")
+  summary_request: str = ("Context full. Summarise for yourself: the task, what you found, what "
+                          "you changed, what is left.")
+
+  def loop_config(self, max_tokens_per_turn: int) -> agent_loop.LoopConfig:
+    return agent_loop.LoopConfig(
+        max_turns=self.max_turns, max_context_tokens=self.max_context_tokens,
+        summary_max_tokens=self.summary_max_tokens, max_summaries=self.max_summaries,
+        observation_max_chars=self.observation_max_chars,
+        max_calls_per_turn=self.max_calls_per_turn,
+        tools=None if self.tools is None else tuple(self.tools),
+        summary_request=self.summary_request,
+        max_tokens_per_turn=max_tokens_per_turn)
+
+
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
-  """Everything the main job needs."""
+  """Everything the main job needs.
+
+  `suite` picks the tasks: "pyfunc" (single-turn function bodies, envs.tasks.suite_pyfunc) or
+  "repo" (multi-turn repository tasks where the tools matter, envs.tasks.suite_repo: the agent
+  loop with `agent`'s settings in RL and evaluation, and agent transcripts in pre-training).
+  """
   model: ModelConfig
   pretrain: PretrainConfig = PretrainConfig()
   rl: RLConfig = RLConfig()
@@ -124,8 +176,18 @@ class ExperimentConfig:
   # this share of the train tasks becomes a validation split (experiment/splits.py) that is kept
   # out of pre-training and RL and evaluated instead; the held-out split is then never evaluated.
   validation_fraction: float = 0.0
+  suite: str = "pyfunc"
+  agent: AgentConfig = AgentConfig()
 
   def __post_init__(self):
+    if self.suite not in SUITES:
+      raise ValueError(f"suite must be one of {SUITES}, got {self.suite!r}")
+    if self.suite == "repo":
+      window = self.agent.max_context_tokens
+      if window + 16 > self.rl.pipeline.seq_len or window > self.model.max_seq_len:
+        raise ValueError(f"agent.max_context_tokens ({window}) + 16 must fit "
+                         f"rl.pipeline.seq_len ({self.rl.pipeline.seq_len}) and the model's "
+                         f"max_seq_len ({self.model.max_seq_len})")
     if len(self.mesh_shape) != 4 or any(int(s) < 1 for s in self.mesh_shape):
       raise ValueError(f"mesh_shape must be four positive sizes (data, fsdp, expert, tensor), "
                        f"got {self.mesh_shape}")

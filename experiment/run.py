@@ -20,6 +20,8 @@ from flax import nnx
 
 from envs.sandbox import pool as pool_lib
 from envs.tasks import suite_pyfunc
+from envs.tasks import suite_repo
+from envs.tasks import transcripts as transcripts_lib
 from evaluation import evaluate as evaluate_lib
 from experiment import reporting
 from experiment import splits
@@ -27,6 +29,7 @@ from experiment.config import ExperimentConfig
 from moe import build
 from moe import checkpoint as moe_checkpoint
 from moe import sharding
+from moe.tokenizer import ByteTokenizer
 from pipeline import local
 from pipeline import resources
 from rl import learner as learner_lib
@@ -58,23 +61,59 @@ def _eval(model, tasks, cfg: ExperimentConfig, pool, out_path: str, progress=Non
   report = evaluate_lib.evaluate(
       model, tasks, n=e.samples, k_list=e.k_list, temperature=e.temperature,
       max_tokens=e.max_tokens, seed=cfg.seed + 17, pool=pool, out_path=out_path,
-      engine_config=_engine_config(cfg, 64), progress=progress)
+      engine_config=_engine_config(cfg, 64), progress=progress,
+      loop_config=cfg.agent.loop_config(e.max_tokens))
   passed = sum(r.c for r in report.results)
   total = sum(r.n for r in report.results)
   return report, passed, total
 
 
+def corpus(cfg: ExperimentConfig, all_tasks, pool) -> tuple[list, dict]:
+  """The pre-training documents and what they hold.
+
+  Single-turn suite: the train tasks' prompts and solutions and generated code snippets. The
+  repository suite: generated code snippets and agent transcripts of the train tasks (oracle
+  episodes run by the harness with the RL run's loop settings, envs.tasks.transcripts), so the
+  model learns the tool-call format, reading test output, fixing and summarising before RL.
+  Held-out (and validation) tasks never appear.
+  """
+  p = cfg.pretrain
+  if cfg.suite == "pyfunc":
+    docs = suite_pyfunc.pretraining_corpus(all_tasks, n_snippets=p.corpus_snippets,
+                                           repeats=p.corpus_repeats, seed=cfg.seed)
+    return docs, {"documents": len(docs)}
+  code = suite_pyfunc.pretraining_corpus([], n_snippets=p.corpus_snippets, repeats=0,
+                                         seed=cfg.seed)
+  loop = cfg.agent.loop_config(cfg.rl.pipeline.max_new_tokens)
+  records = []
+  for r in range(p.corpus_repeats):
+    records += transcripts_lib.transcript_records(
+        all_tasks, pool, loop_config=loop, tokenizer=ByteTokenizer(), seed=cfg.seed + r,
+        summarised_share=p.transcript_summarised_share)
+  agent_docs = [d for t in records for d in t.documents]
+  docs = code + agent_docs
+  np.random.default_rng(cfg.seed).shuffle(docs)
+  return docs, {"documents": len(docs), "code_documents": len(code),
+                "agent_documents": len(agent_docs), **transcripts_lib.stats(records)}
+
+
 def pretrain(cfg: ExperimentConfig, run_dir: str, all_tasks, mesh, *,
              rep: Optional[reporting.Reporter] = None,
-             echo: Callable[[str], None] = print):
-  """Continual pre-training on the generated corpus; returns the model (fresh if steps == 0)."""
+             echo: Callable[[str], None] = print, pool=None):
+  """Continual pre-training on the generated corpus (`corpus`); returns the model (fresh if
+  steps == 0)."""
   t0 = time.time()
   pre_cfg = cfg.model.replace(capacity_factor=cfg.pretrain.capacity_factor)
   p = cfg.pretrain
   pre = learner_lib.build_learner(p.learner_config(), pre_cfg, mesh=mesh, seed=cfg.seed)
   if p.steps:
-    docs = suite_pyfunc.pretraining_corpus(all_tasks, n_snippets=p.corpus_snippets,
-                                           repeats=p.corpus_repeats, seed=cfg.seed)
+    docs, about = corpus(cfg, all_tasks, pool)
+    with open(os.path.join(run_dir, "corpus.json"), "w", encoding="utf-8") as f:
+      json.dump(about, f, indent=1)
+    if cfg.suite != "pyfunc":
+      echo(f"corpus: {about['code_documents']} code documents, {about['agent_documents']} agent "
+           f"transcript segments ({about['transcripts']} oracle episodes, "
+           f"{about['summarised_episodes']} summarised) in {time.time() - t0:.0f}s")
     files = write_corpus(docs, os.path.join(run_dir, "corpus"))
     trainer = Trainer(pre, pretrain_data.pretrain_dataset(
         files, seq_len=p.seq_len, batch_rows=p.batch_rows, seed=cfg.seed))
@@ -106,19 +145,23 @@ def make_rl_learner(cfg: ExperimentConfig, model, mesh) -> learner_lib.Learner:
 def eval_split(cfg: ExperimentConfig, tasks: Optional[Sequence] = None):
   """(all tasks, RL train tasks, evaluated tasks, their split's name).
 
-  `tasks`: the single-turn tasks to use (default: the built-in suite, envs.tasks.suite_pyfunc),
+  `tasks`: the tasks to use (default: the built-in suite of cfg.suite, envs.tasks.suite_pyfunc
+  or envs.tasks.suite_repo),
   their `split` saying which are train and which held out. Normally the evaluated tasks are the
   held-out split. With cfg.validation_fraction > 0 they are a validation split carved from the train
   tasks (relabelled in `all tasks`, so the pre-training corpus leaves them out as it leaves out
   held-out tasks) and the held-out split is not used.
   """
-  all_tasks = suite_pyfunc.generate() if tasks is None else list(tasks)
+  if tasks is None:
+    all_tasks = suite_repo.generate() if cfg.suite == "repo" else suite_pyfunc.generate()
+  else:
+    all_tasks = list(tasks)
   if cfg.validation_fraction > 0:
     all_tasks, train, evaluated = splits.carve_validation(all_tasks, cfg.validation_fraction)
     name = splits.VALIDATION
   else:
-    train = suite_pyfunc.split(all_tasks, "train")
-    evaluated = suite_pyfunc.split(all_tasks, "test")
+    train = [t for t in all_tasks if t.split == "train"]
+    evaluated = [t for t in all_tasks if t.split == "test"]
     name = "held-out"
   return all_tasks, train[:cfg.train_tasks], evaluated[:cfg.heldout_tasks], name
 
@@ -159,7 +202,7 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
   try:
     # -- 1. continual pre-training on code -------------------------------------------------
     t0 = time.time()
-    model = pretrain(cfg, run_dir, all_tasks, mesh, rep=rep, echo=echo)
+    model = pretrain(cfg, run_dir, all_tasks, mesh, rep=rep, echo=echo, pool=pool)
     timings["pretrain_s"] = time.time() - t0
     moe_checkpoint.save_params(model, os.path.join(run_dir, "pretrained_model"))
 
@@ -179,10 +222,11 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
     t0 = time.time()
     r = cfg.rl
     rl_learner = make_rl_learner(cfg, model, mesh)
-    rl_totals = {"steps": 0, "groups": 0, "trained_episodes": 0, "infra_failures": 0,
-                 "zero_variance_groups": 0, "zero_variance_filtered": 0, "hack_flagged": 0,
-                 "policy_version": rl_learner.policy_version}
+    rl_totals = {"steps": 0, "groups": 0, "trained_episodes": 0, "episodes_trained": 0,
+                 "infra_failures": 0, "zero_variance_groups": 0, "zero_variance_filtered": 0,
+                 "hack_flagged": 0, "policy_version": rl_learner.policy_version}
     step_groups: dict = {}
+    feedback: list = []  # per step: (attempts that saw a visible test fail, of them passed)
 
     def on_group(g):
       step_groups.setdefault(g.step, []).append(g)
@@ -205,6 +249,14 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
                  trained_episodes=info["trained_episodes"], learner_wait_s=info["wait_s"],
                  gen_tokens=sum(g.gen_tokens for g in groups),
                  infra_failures=sum(g.infra_failures for g in groups))
+      turns = [x for g in groups for x in g.turns]
+      if cfg.suite != "pyfunc" and turns:
+        saw = sum(g.saw_failing_test for g in groups)
+        feedback.append((saw, sum(g.fixed_after_failure for g in groups)))
+        out.update(mean_turns=float(np.mean(turns)),
+                   tool_calls=float(np.mean([x for g in groups for x in g.tool_calls])),
+                   summarised=sum(g.summarised for g in groups), saw_failing_test=saw,
+                   fixed_after_failure=sum(g.fixed_after_failure for g in groups))
       rep.log("rl", step, out)
 
     if r.steps:
@@ -213,11 +265,22 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
           learner=rl_learner, tasks=train, pool=pool, workdir=os.path.join(run_dir, "rl"),
           config=r.pipeline, num_steps=r.steps, num_samplers=r.num_samplers,
           engine_config=_engine_config(cfg, r.sampler_slots), on_step=on_step,
-          on_group=on_group)
+          on_group=on_group, loop_config=cfg.agent.loop_config(r.pipeline.max_new_tokens))
       rep.end_phase()
       rl_learner = result.learner
+      c = result.controller
       rl_totals = {"steps": result.steps, "groups": result.groups,
                    "trained_episodes": result.batcher["trained_episodes"],
+                   "episodes_trained": result.batcher["trained_episodes"],
+                   "episodes_generated": c["episodes_generated"],
+                   "mean_turns": c["mean_turns"],
+                   "tool_calls_per_episode": c["tool_calls_per_episode"],
+                   "summarised_episodes": c["summarised_episodes"],
+                   "saw_failing_test": c["saw_failing_test"],
+                   "fixed_after_failure": c["fixed_after_failure"],
+                   "prefix_cache_hit_rate": round(result.samplers["prefix_cache_hit_rate"], 4),
+                   "overflow_episodes": result.batcher["overflow_episodes"],
+                   "feedback": _feedback_trend(feedback),
                    "infra_failures": result.batcher["infra_failures"],
                    "zero_variance_groups": result.batcher["zero_variance_groups"],
                    "zero_variance_filtered": result.batcher["zero_variance_filtered"],
@@ -267,6 +330,20 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
   rows += [("total (s)", f"{summary['total_s']:.0f}"), ("run directory", run_dir)]
   echo(reporting.summary_table(rows))
   return summary
+
+
+def _feedback_trend(per_step: list) -> dict:
+  """Whether the agent uses test feedback more as RL goes on: over the first and the last
+  quarter of the steps, the share of attempts that saw a visible test fail and still passed
+  every hidden test (None where no attempt saw a failure)."""
+  q = max(1, len(per_step) // 4)
+
+  def share(rows):
+    saw = sum(a for a, _ in rows)
+    return None if not saw else round(sum(b for _, b in rows) / saw, 4)
+  return {"first_quarter": share(per_step[:q]), "last_quarter": share(per_step[-q:]),
+          "saw_failing_test": sum(a for a, _ in per_step),
+          "fixed_after_failure": sum(b for _, b in per_step)}
 
 
 def final_line(summary: dict) -> str:

@@ -50,11 +50,11 @@ def _alternating_grade():
 def _loop(tasks) -> agent_loop.LoopConfig:
   """A context window that holds each task's opening prompt and about one turn."""
   tok = ByteTokenizer()
-  base = agent_loop.LoopConfig(max_turns=3, summary_max_tokens=12, max_summaries=1)
+  base = agent_loop.LoopConfig(max_turns=3, summary_max_tokens=12, max_summaries=1,
+                               max_tokens_per_turn=PER_TURN)
   opening = max(1 + len(tok.encode(toolcall.initial_prompt(t.instructions))) for t in tasks)
-  reserve = len(tok.encode(toolcall.render_message("user", agent_loop.SUMMARY_REQUEST) +
-                           f"{toolcall.IM_START}assistant\n")) + base.summary_max_tokens + 8
-  return dataclasses.replace(base, max_context_tokens=opening + reserve + PER_TURN + 200)
+  return dataclasses.replace(
+      base, max_context_tokens=opening + agent_loop.room_for_a_turn(tok.encode, base) + 200)
 
 
 def test_multi_turn_episodes_are_trained(tmp_path):

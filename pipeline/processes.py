@@ -216,8 +216,13 @@ def _model_config_of(store, version: int) -> ModelConfig:
 
 
 def run_controller(workdir: str, sampler_urls: Sequence[str], config: PipelineConfig, *,
-                   steps: int, pool_size: int = 8, num_tasks: Optional[int] = None) -> int:
+                   steps: int, pool_size: int = 8, num_tasks: Optional[int] = None,
+                   tasks: Optional[Sequence] = None, loop_config=None) -> int:
   """Produces the groups of `steps` learner steps through the samplers; returns groups written.
+
+  `tasks`: the train tasks (default: the single-turn suite's train split, its first `num_tasks`);
+  multi-turn repository tasks run as agent episodes with `loop_config`
+  (envs.harness.agent_loop.LoopConfig), exactly as in the in-process pipeline.
 
   A restarted controller resumes at the first group not on disk, with the task the seeded
   order gives that group (RolloutController.resume checks the written records against that
@@ -231,8 +236,11 @@ def run_controller(workdir: str, sampler_urls: Sequence[str], config: PipelineCo
   from pipeline import samplers as samplers_lib  # pylint: disable=g-import-not-at-top
   from pipeline.local import group_sink  # pylint: disable=g-import-not-at-top
   from rl import trajectory_io  # pylint: disable=g-import-not-at-top
+  from envs.harness import agent_loop  # pylint: disable=g-import-not-at-top
   p = paths(workdir)
-  tasks = suite_pyfunc.split(suite_pyfunc.generate(), "train")[:num_tasks]
+  if tasks is None:
+    tasks = suite_pyfunc.split(suite_pyfunc.generate(), "train")
+  tasks = list(tasks)[:num_tasks]
   os.makedirs(p["trajectories"], exist_ok=True)
   written = []
   for name in trajectory_io.list_shards(p["trajectories"]):
@@ -251,7 +259,7 @@ def run_controller(workdir: str, sampler_urls: Sequence[str], config: PipelineCo
   try:
     ctl = controller_lib.RolloutController(
         tasks, sampler_set, pool, group_sink(writer), config=config,
-        sink_path=p["trajectories"],
+        sink_path=p["trajectories"], loop_config=loop_config or agent_loop.LoopConfig(),
         on_group=lambda g: print(f"group {g.index} {g.task_id} rewards {g.rewards}", flush=True))
     start = ctl.resume(written)
     if start:

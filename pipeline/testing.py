@@ -4,6 +4,12 @@ weights a run published (the end-to-end tests compare the first and last version
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
 from typing import Optional
 
 from envs.tasks import suite_pyfunc
@@ -51,3 +57,34 @@ def published_weights(workdir: str, version: Optional[int] = None) -> tuple[dict
   """
   url = "file://" + os.path.join(os.path.abspath(workdir), "weights")
   return publisher_lib.restore(store_lib.Store(url), version)
+
+
+# -- pipeline parts as processes ---------------------------------------------------------------
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def spawn(code: str, log_path: str) -> subprocess.Popen:
+  """Runs `code` in a new Python process (its own session, so a test can kill its group), with
+  this process's import path; stdout and stderr go to `log_path`."""
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+             PYTHONUNBUFFERED="1")
+  f = open(log_path, "w")  # pylint: disable=consider-using-with
+  return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env, stdout=f,
+                          stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_http(url: str, proc: subprocess.Popen, log: str, timeout: float = 300) -> None:
+  """Waits until `url`/health answers; fails loudly when the process exits or time runs out."""
+  t0 = time.time()
+  while time.time() - t0 < timeout:
+    if proc.poll() is not None:
+      raise AssertionError(f"{url}: the process exited: {open(log).read()[-3000:]}")
+    try:
+      with urllib.request.urlopen(url + "/health", timeout=2):
+        return
+    except OSError:
+      time.sleep(0.5)
+  raise AssertionError(f"{url} did not come up in {timeout}s: {open(log).read()[-3000:]}")

@@ -19,6 +19,7 @@ two turns, so the episode spans two policy versions.
 """
 
 import asyncio
+import dataclasses
 import sys
 import threading
 
@@ -109,11 +110,8 @@ def test_the_learner_trains_exactly_what_the_server_saw_and_wrote(setup):
                                max_summaries=1)
   # A context that holds the opening prompt and about one turn: the episode must summarise.
   opening = len(policy.start_ids() + policy.encode(toolcall.initial_prompt(task.instructions)))
-  summary_prompt = policy.encode(toolcall.render_message("user", agent_loop.SUMMARY_REQUEST) +
-                                 f"{toolcall.IM_START}assistant\n")
-  reserve = len(summary_prompt) + loop.summary_max_tokens + 8
-  loop = agent_loop.LoopConfig(**{**loop.__dict__,
-                                  "max_context_tokens": opening + reserve + per_turn + 250})
+  loop = dataclasses.replace(loop, max_context_tokens=opening + 250 +
+                             agent_loop.room_for_a_turn(policy.encode, loop))
   settings = attempts.AttemptSettings(mode="agent", temperature=1.0, loop=loop)
   trajs = attempts.run_attempts(task, policy, pool=pool, n=1, seed=11, settings=settings)
   tr, = trajs

@@ -45,7 +45,7 @@ from typing import Callable, Optional, Sequence
 import gin
 from gin import config as gin_config
 
-from experiment.config import EvalConfig, ExperimentConfig, PretrainConfig, RLConfig
+from experiment.config import AgentConfig, EvalConfig, ExperimentConfig, PretrainConfig, RLConfig
 from moe.config import ModelConfig
 from moe.sharding import MESH_AXES
 from pipeline.config import PipelineConfig
@@ -71,6 +71,7 @@ GinPolicyLossConfig = gin.external_configurable(PolicyLossConfig, module="rl")
 GinPretrainConfig = gin.external_configurable(PretrainConfig, module="experiment")
 GinRLConfig = gin.external_configurable(RLConfig, module="experiment")
 GinEvalConfig = gin.external_configurable(EvalConfig, module="experiment")
+GinAgentConfig = gin.external_configurable(AgentConfig, module="experiment")
 GinExperimentConfig = gin.external_configurable(ExperimentConfig, module="experiment")
 # The sampling server's settings (//tools:serve, tools/configs/runs/serve.gin); not part of an
 # experiment, so not in CONFIGURABLES below.
@@ -87,6 +88,7 @@ CONFIGURABLES = {
     "PretrainConfig": "experiment.PretrainConfig",
     "RLConfig": "experiment.RLConfig",
     "EvalConfig": "experiment.EvalConfig",
+    "AgentConfig": "experiment.AgentConfig",
     "ExperimentConfig": "experiment.ExperimentConfig",
 }
 
@@ -343,6 +345,7 @@ _CONSTRUCTED_BY = {
     "LossConfig": "LearnerConfig.loss = @LossConfig() (tools/configs/runs/rl.gin)",
     "PolicyLossConfig": "LossConfig.policy = @PolicyLossConfig() (tools/configs/runs/rl.gin)",
     "EvalConfig": "ExperimentConfig.eval = @EvalConfig() (tools/configs/runs/eval.gin)",
+    "AgentConfig": "ExperimentConfig.agent = @AgentConfig() (tools/configs/experiments/agent.gin)",
     "ExperimentConfig": "nothing: load_experiment constructs it",
 }
 

@@ -56,10 +56,15 @@ def main(argv=None) -> int:
       urls.append(s)
     if not urls:
       p.error("the controller needs --samplers")
+    from experiment import run as run_lib  # pylint: disable=g-import-not-at-top
     from pipeline import controller  # pylint: disable=g-import-not-at-top
+    # The experiment's train tasks (its suite: single-turn functions, or repository tasks run
+    # as multi-turn agent episodes with its agent loop settings).
+    _, train, _, _ = run_lib.eval_split(cfg)
     try:
       processes.run_controller(args.workdir, urls, cfg.rl.pipeline, steps=steps,
-                               pool_size=cfg.sandbox_pool)
+                               pool_size=cfg.sandbox_pool, tasks=train,
+                               loop_config=cfg.agent.loop_config(cfg.rl.pipeline.max_new_tokens))
     except controller.WriteFailed as e:  # a clear stop, not a traceback: the operator's to fix
       print(f"error: {e}", file=sys.stderr)
       return 1

@@ -53,6 +53,36 @@ class LoopConfig:
   # The tools the system prompt lists (None: all of toolcall.TOOL_SPECS). Small models with
   # small context windows get a short list.
   tools: tuple[str, ...] | None = None
+  # The user turn that asks for the summary when the context is full (small windows want a
+  # short one: the loop keeps room for it in every context).
+  summary_request: str = SUMMARY_REQUEST
+
+
+_OMITTED = "[output omitted: the context is full]"
+
+
+def _budget(encode: Callable[[str], list], config: "LoopConfig") -> tuple[int, int]:
+  """(reserve, turn slack) in tokens.
+
+  reserve: room kept free in every context so the summary request, the summary and its closing
+    template tokens always fit.
+  turn slack: what a turn may add besides the model's tokens: its closing template tokens and at
+    least the shortest observation.
+  A turn starts only with room for max_tokens_per_turn, the slack and the reserve, so no context
+  grows past max_context_tokens.
+  """
+  closing = len(encode(toolcall.IM_END + "\n")) + max(len(encode(s)) for s in toolcall.STOP)
+  summary = encode(toolcall.render_message("user", config.summary_request) +
+                   f"{toolcall.IM_START}assistant\n")
+  omitted = encode(toolcall.render_responses([_OMITTED]))
+  return len(summary) + config.summary_max_tokens + closing, closing + len(omitted)
+
+
+def room_for_a_turn(encode: Callable[[str], list], config: "LoopConfig") -> int:
+  """Free tokens a context needs for the loop to give the model another turn (else it
+  summarises): max_tokens_per_turn plus the turn's slack and the summary reserve."""
+  reserve, slack = _budget(encode, config)
+  return config.max_tokens_per_turn + slack + reserve
 
 
 class _Budget(Exception):
@@ -119,10 +149,10 @@ def run_episode(task: task_format.Task, policy: policy_lib.Policy, *, pool: pool
     if not comp.text.rstrip().endswith(toolcall.IM_END):
       seg.add_text_tokens(policy.encode(toolcall.IM_END + "\n"))
 
-  summary_prompt = policy.encode(toolcall.render_message("user", SUMMARY_REQUEST) +
+  summary_prompt = policy.encode(toolcall.render_message("user", config.summary_request) +
                                  f"{toolcall.IM_START}assistant\n")
-  # Room kept free in every context so the summary request and the summary always fit.
-  reserve = len(summary_prompt) + config.summary_max_tokens + 8
+  reserve, turn_slack = _budget(policy.encode, config)
+  omitted = policy.encode(toolcall.render_responses([_OMITTED]))
 
   def observation_tokens(seg, observations):
     """Observations as tokens, clipped so the context keeps room for the summary."""
@@ -134,7 +164,19 @@ def run_episode(task: task_format.Task, policy: policy_lib.Policy, *, pool: pool
       clipped = [o if len(o) <= limit else o[:limit] + "\n...[clipped to fit the context]"
                  for o in observations]
       ids = policy.encode(toolcall.render_responses(clipped))
+    if len(ids) > room:  # not even 64 characters fit: say so (the next turn will summarise)
+      ids = omitted
     return ids
+
+  def fits_a_turn(n: int) -> bool:
+    return n + config.max_tokens_per_turn + turn_slack + reserve <= config.max_context_tokens
+
+  if not fits_a_turn(len(initial)):
+    raise ValueError(
+        f"task {task.task_id}: the opening prompt takes {len(initial)} tokens, which leaves no "
+        f"room in max_context_tokens={config.max_context_tokens} for one turn "
+        f"({config.max_tokens_per_turn} tokens + {turn_slack} of template and observation) and "
+        f"the summary reserve ({reserve}); raise max_context_tokens or shorten the prompt")
 
   t = time.monotonic()
   try:
@@ -142,14 +184,17 @@ def run_episode(task: task_format.Task, policy: policy_lib.Policy, *, pool: pool
   except (slot_lib.SlotError, OSError) as e:
     return fail(f"sandbox did not start: {e}")
   timings["sandbox_start_s"] = time.monotonic() - t
-  box = agent_tools.ToolBox(sb, task, observation_max_chars=config.observation_max_chars)
+  box = agent_tools.ToolBox(sb, task, observation_max_chars=config.observation_max_chars,
+                            tool_names=config.tools)
   segments[0].add_text_tokens(initial)
   finish = "max_turns"
   try:
     while state["turns"] < max_turns:
       seg = segments[-1]
-      if len(seg) + config.max_tokens_per_turn + reserve > config.max_context_tokens:
-        if state["summaries"] >= config.max_summaries:
+      if not fits_a_turn(len(seg)):
+        if state["summaries"] >= config.max_summaries or not any(seg.model_mask):
+          # Out of summaries, or a fresh context (instructions + summary) with no room for a
+          # turn: summarising again would only grow it.
           finish = "context"
           break
         seg.add_text_tokens(summary_prompt)

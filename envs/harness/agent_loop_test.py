@@ -143,6 +143,38 @@ def test_self_summarisation_starts_fresh_context(pool):
   assert metrics.summarize([tr])["summarised_episodes"] == 1
 
 
+def test_no_context_outgrows_the_window(pool):
+  """A model that always writes its whole turn budget, tool calls with long output, a small
+  window: every segment stays within max_context_tokens (the learner trains each as one
+  sequence of at most that length), summaries included."""
+  task = _calc()
+  junk = "x" * 200
+
+  def respond(prompt, i):
+    if agent_loop.SUMMARY_REQUEST in prompt[-400:]:
+      return "summary " * 40
+    if i % 2:
+      return call("read_file", path="calc/ops.py") + junk
+    return call("run", command="python3 -c 'print(\"y\" * 3000)'") + junk
+
+  opening = 1 + len(TOK.encode(toolcall.initial_prompt(task.instructions)))
+  segments = {}
+  for window in (opening + 700, opening + 1000, opening + 1800):
+    pol = policy_lib.ScriptedPolicy(respond, TOK)
+    cfg = agent_loop.LoopConfig(max_turns=8, max_tokens_per_turn=120, max_context_tokens=window,
+                                summary_max_tokens=60, max_summaries=2,
+                                observation_max_chars=4000)
+    tr = agent_loop.run_episode(task, pol, pool=pool, config=cfg)
+    assert tr.status == "ok", tr.infra_error
+    lengths = [len(s) for s in tr.segments]
+    assert max(lengths) <= window, (window, lengths)
+    segments[window] = len(lengths)
+  assert segments[opening + 700] > 1 and segments[opening + 1000] > 1, segments  # it summarised
+  with pytest.raises(ValueError, match="leaves no room"):
+    agent_loop.run_episode(task, policy_lib.ScriptedPolicy(respond, TOK), pool=pool,
+                           config=agent_loop.LoopConfig(max_context_tokens=opening + 100))
+
+
 def test_hacking_episode_is_flagged_and_penalised(pool):
   task = _calc()
   script = [call("write_file", path="tests/test_ops.py", content="def test_add():\n    pass\n"),

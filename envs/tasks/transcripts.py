@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import random
 import statistics
 from typing import Mapping, Sequence
@@ -36,6 +37,8 @@ from envs.harness import toolcall
 from envs.harness import trajectory as traj_lib
 from envs.sandbox import pool as pool_lib
 from envs.tasks import task_format
+
+log = logging.getLogger(__name__)
 
 _INFRA_ATTEMPTS = 3
 VARIANTS = ("direct", "tests_first", "wrong_first", "summarised")
@@ -99,8 +102,10 @@ class Oracle:
   """
 
   def __init__(self, task: task_format.Task, steps: Sequence[dict],
-               tokenizer: policy_lib.Tokenizer, summary_max_tokens: int):
+               tokenizer: policy_lib.Tokenizer, summary_max_tokens: int,
+               summary_request: str = agent_loop.SUMMARY_REQUEST):
     self.task = task
+    self.summary_request = summary_request
     self.tokenizer = tokenizer
     self.summary_max_tokens = summary_max_tokens
     self.steps = list(steps)
@@ -145,9 +150,9 @@ class Oracle:
     last_user = prompt.rsplit(f"{toolcall.IM_START}user\n", 1)[-1]
     # A summary request follows the last step's observation; a fresh context (after a
     # summary) holds none, the summary carries what it showed.
-    if last_user.startswith(agent_loop.SUMMARY_REQUEST) or last_user.startswith("<tool_response>"):
+    if last_user.startswith(self.summary_request) or last_user.startswith("<tool_response>"):
       self._check_last_observation(prompt)
-    if last_user.startswith(agent_loop.SUMMARY_REQUEST):
+    if last_user.startswith(self.summary_request):
       self.summaries += 1
       return self.summary() + toolcall.IM_END
     if self.done >= len(self.steps):
@@ -179,7 +184,7 @@ def _prompt_lengths(seg: traj_lib.Segment) -> list[int]:
 def _episode(task, steps, variant, *, pool, config, tokenizer
              ) -> tuple[Transcript, traj_lib.Trajectory]:
   for attempt in range(_INFRA_ATTEMPTS):
-    oracle = Oracle(task, steps, tokenizer, config.summary_max_tokens)
+    oracle = Oracle(task, steps, tokenizer, config.summary_max_tokens, config.summary_request)
     tr = agent_loop.run_episode(task, policy_lib.ScriptedPolicy(oracle, tokenizer), pool=pool,
                                 config=config)
     if oracle.error:
@@ -224,12 +229,9 @@ def oracle_transcript(task: task_format.Task, variant: str, *, pool: pool_lib.Wa
   if variant != "summarised" or t.summaries:
     return t
   # The context before the fix (the third step from the end) must no longer leave room for a
-  # turn and the summary reserve; the loop's rule is len + max_tokens_per_turn + reserve > max.
+  # turn (agent_loop.room_for_a_turn).
   before_fix = _prompt_lengths(tr.segments[0])[len(steps) - 2]
-  summary_ids = tokenizer.encode(toolcall.render_message("user", agent_loop.SUMMARY_REQUEST) +
-                                 f"{toolcall.IM_START}assistant\n")
-  reserve = len(summary_ids) + loop_config.summary_max_tokens + 8
-  ctx = before_fix + loop_config.max_tokens_per_turn + reserve - 1
+  ctx = before_fix + agent_loop.room_for_a_turn(tokenizer.encode, loop_config) - 1
   for _ in range(8):
     config = dataclasses.replace(loop_config, max_context_tokens=ctx)
     try:
@@ -251,7 +253,8 @@ def transcript_records(tasks: Sequence[task_format.Task], pool: pool_lib.WarmPoo
   """Oracle transcripts of the train tasks among `tasks` (held-out ones are skipped).
 
   Each train task gets one transcript of a variant drawn from `mix`, and with probability
-  `summarised_share` a second, summarised one. A variant the task has no plan for, or that
+  `summarised_share` a second, summarised one where one succeeds under `loop_config` (skipped,
+  and logged, where none does). A variant the task has no plan for, or that
   cannot succeed under `loop_config` (say an observation the oracle needs is clipped to fit a
   small context), gives way to the others in VARIANTS order; if none succeeds, OracleError.
   Deterministic in `seed`.
@@ -282,8 +285,11 @@ def transcript_records(tasks: Sequence[task_format.Task], pool: pool_lib.WarmPoo
       raise OracleError(f"{task.task_id}: no oracle variant succeeds under this loop config: "
                         + " | ".join(errors))
     if rng.random() < summarised_share:
-      out.append(oracle_transcript(task, "summarised", pool=pool, loop_config=loop_config,
-                                   tokenizer=tokenizer))
+      try:
+        out.append(oracle_transcript(task, "summarised", pool=pool, loop_config=loop_config,
+                                     tokenizer=tokenizer))
+      except OracleError as e:  # the extra, summarised copy is best effort under this config
+        log.info("%s: no summarised transcript under this loop config (%s)", task.task_id, e)
   return out
 
 

@@ -1,0 +1,76 @@
+"""The multi-process deployment runs multi-turn episodes: a learner, a sampler server and a
+controller as separate processes, the controller driving repository tasks through the agent
+loop (tool calls over HTTP sampling, observations, sandboxes) and the learner training them."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from pipeline import processes
+from pipeline import testing
+from rl import trajectory_io
+from rl.episodes import Episode
+
+PRELUDE = """
+import logging
+logging.basicConfig(level=logging.WARNING)
+from envs.harness import agent_loop
+from envs.tasks import suite_repo
+from pipeline import processes, testing
+model = testing.MODEL.replace(max_seq_len=1024)
+cfg = testing.config(max_staleness=1, max_new_tokens=48, seq_len=1024, batch_rows=8, attempts=2)
+loop = agent_loop.LoopConfig(max_turns=3, max_context_tokens=1000, tools=suite_repo.TOOLS,
+                             observation_max_chars=240, summary_max_tokens=32)
+"""
+
+
+def test_multi_turn_episodes_over_separate_processes(tmp_path):
+  work = str(tmp_path / "work")
+  logs = {n: str(tmp_path / f"{n}.log") for n in ("learner", "s0", "controller")}
+  procs: dict[str, subprocess.Popen] = {}
+  try:
+    procs["learner"] = testing.spawn(PRELUDE + f"""
+processes.run_learner({work!r}, model, cfg, testing.LEARNER, steps=2)
+""", logs["learner"])
+    port = testing.free_port()
+    procs["s0"] = testing.spawn(PRELUDE + f"""
+processes.run_sampler({work!r}, port={port}, max_slots=8, max_len=1024)
+""", logs["s0"])
+    url = f"http://127.0.0.1:{port}"
+    testing.wait_http(url, procs["s0"], logs["s0"])
+    procs["controller"] = testing.spawn(PRELUDE + f"""
+tasks = suite_repo.split(suite_repo.generate(), "train")[:4]
+n = processes.run_controller({work!r}, [{url!r}], cfg, steps=2, pool_size=2, tasks=tasks,
+                             loop_config=loop)
+print("groups written", n)
+""", logs["controller"])
+    assert procs["controller"].wait(timeout=600) == 0, open(logs["controller"]).read()[-3000:]
+    assert procs["learner"].wait(timeout=600) == 0, open(logs["learner"]).read()[-3000:]
+  finally:
+    for p in procs.values():
+      if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+  out = open(logs["controller"]).read()
+  assert "groups written 4" in out, out[-3000:]
+  steps = processes.parse_step_lines(open(logs["learner"]).read())
+  assert [s["step"] for s in steps] == [1, 2] and all(s["trained_episodes"] == 4 for s in steps)
+  d = os.path.join(work, "trajectories")
+  eps = [Episode.from_record(r) for s in trajectory_io.list_shards(d)
+         for r in trajectory_io.read_shard(os.path.join(d, s))]
+  assert len(eps) == 8 and not any(e.infra_failure for e in eps)
+  for e in eps:
+    # Several model turns with harness text (observations) between them: runs of trained
+    # tokens separated by untrained ones, every position routed (prefill routing of the
+    # observations came back over HTTP).
+    runs = np.count_nonzero(np.diff(e.loss_mask.astype(np.int8)) == 1)
+    assert runs >= 2, e.episode_id
+    assert e.routing is not None and e.routing.shape[1] == e.tokens.size
+
+
+if __name__ == "__main__":
+  sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
