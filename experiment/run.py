@@ -53,7 +53,10 @@ def write_corpus(docs: list, directory: str) -> list:
 
 
 def _engine_config(cfg: ExperimentConfig, slots: int) -> EngineConfig:
-  return EngineConfig(max_slots=slots, max_len=cfg.model.max_seq_len, decode_steps=16)
+  # Decode attends over the cache prefix rounded up to length_bucket: an eighth of the window
+  # (at least 64) keeps the set of compiled decode shapes small for long agent contexts.
+  return EngineConfig(max_slots=slots, max_len=cfg.model.max_seq_len, decode_steps=16,
+                      length_bucket=max(64, cfg.model.max_seq_len // 8))
 
 
 def _eval(model, tasks, cfg: ExperimentConfig, pool, out_path: str, progress=None):
@@ -84,7 +87,9 @@ def corpus(cfg: ExperimentConfig, all_tasks, pool) -> tuple[list, dict]:
     return docs, {"documents": len(docs)}
   code = suite_pyfunc.pretraining_corpus([], n_snippets=p.corpus_snippets, repeats=0,
                                          seed=cfg.seed)
-  loop = cfg.agent.loop_config(cfg.rl.pipeline.max_new_tokens)
+  # The oracle takes the turns its plan needs (the task's limit), whatever RL's turn cap.
+  loop = dataclasses.replace(cfg.agent.loop_config(cfg.rl.pipeline.max_new_tokens),
+                             max_turns=None)
   records = []
   for r in range(p.corpus_repeats):
     records += transcripts_lib.transcript_records(

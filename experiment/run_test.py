@@ -113,5 +113,37 @@ def test_rl_learner_takes_the_rl_settings():
     RLConfig(learner=LearnerConfig())
 
 
+
+def test_agentic_experiment_end_to_end(tmp_path):
+  """The repository suite: pre-training on code and agent transcripts, multi-turn evaluation and
+  multi-turn RL through the same harness; summary.json carries the agentic RL fields."""
+  from envs.tasks import suite_repo  # pylint: disable=g-import-not-at-top
+  from experiment.config import AgentConfig  # pylint: disable=g-import-not-at-top
+  every = suite_repo.generate()
+  tasks = suite_repo.split(every, "train")[:4] + suite_repo.split(every, "test")[:2]
+  cfg = ExperimentConfig(
+      model=TINY.replace(max_seq_len=1536),
+      pretrain=PretrainConfig(steps=2, batch_rows=2, seq_len=512, corpus_snippets=10,
+                              corpus_repeats=1, transcript_summarised_share=1.0),
+      rl=RLConfig(steps=1, sampler_slots=8, pipeline=PipelineConfig(
+          max_staleness=1, prompts_per_step=2, attempts=2, max_new_tokens=128, seq_len=1424,
+          batch_rows=8, grade_workers=2)),
+      eval=EvalConfig(samples=1, max_tokens=128, k_list=(1,)),
+      suite="repo", agent=AgentConfig(max_turns=3, max_context_tokens=1408),
+      sandbox_pool=2)
+  summary = run_lib.run(cfg, str(tmp_path), progress=False, echo=lambda _: None, tasks=tasks)
+  assert summary["heldout_tasks"] == 2 and summary["before"]["samples"] == 2
+  corpus = json.load(open(tmp_path / "corpus.json"))
+  assert corpus["agent_documents"] >= 4 and corpus["summarised_episodes"] >= 1, corpus
+  rl = json.load(open(tmp_path / "summary.json"))["rl"]
+  for key in ("episodes_trained", "mean_turns", "tool_calls_per_episode", "summarised_episodes",
+              "hack_flagged", "zero_variance_groups", "prefix_cache_hit_rate", "feedback"):
+    assert key in rl, key
+  assert rl["episodes_trained"] == 4 and rl["mean_turns"] >= 1
+  # Later turns of an episode continue the previous request: the samplers' prefix cache hit.
+  assert rl["prefix_cache_hit_rate"] > 0, rl
+  evals = [json.loads(l) for l in open(tmp_path / "eval_before.jsonl")]
+  assert all(r["mode"] == "agent" for r in evals)
+
 if __name__ == "__main__":
   sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))

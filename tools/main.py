@@ -48,6 +48,12 @@ def main(argv=None, *, evaluate: bool = True) -> int:
   from experiment import run as run_lib  # pylint: disable=g-import-not-at-top
   run_dir = args.run_dir or default_run_dir()
   print(f"run directory: {run_dir}", flush=True)
+  # One compilation cache per run: the evaluation engines, the RL samplers and learner compile
+  # the same shapes again (each engine its own jit cache); XLA's persistent cache makes the
+  # repeats loads. Per run, so every run starts cold and runs compare like with like.
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.config.update("jax_compilation_cache_dir", os.path.join(run_dir, "xla_cache"))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
   summary = run_lib.run(cfg, run_dir, progress=not args.no_progress, evaluate=evaluate)
   if evaluate:
     print(run_lib.final_line(summary), flush=True)
