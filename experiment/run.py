@@ -53,10 +53,14 @@ def write_corpus(docs: list, directory: str) -> list:
 
 
 def _engine_config(cfg: ExperimentConfig, slots: int) -> EngineConfig:
-  # Decode attends over the cache prefix rounded up to length_bucket: an eighth of the window
-  # (at least 64) keeps the set of compiled decode shapes small for long agent contexts.
-  return EngineConfig(max_slots=slots, max_len=cfg.model.max_seq_len, decode_steps=16,
-                      length_bucket=max(64, cfg.model.max_seq_len // 8))
+  if cfg.suite == "pyfunc":
+    return EngineConfig(max_slots=slots, max_len=cfg.model.max_seq_len, decode_steps=16)
+  # Agent contexts are long and of every length: coarse buckets (decode attends over a quarter
+  # window more at most, prompts are padded to at least a sixteenth) keep the set of shapes
+  # the engine compiles small, which on a CPU costs seconds each.
+  window = cfg.model.max_seq_len
+  return EngineConfig(max_slots=slots, max_len=window, decode_steps=16,
+                      length_bucket=max(64, window // 4), min_prefill_len=max(16, window // 16))
 
 
 def _eval(model, tasks, cfg: ExperimentConfig, pool, out_path: str, progress=None):
@@ -64,7 +68,7 @@ def _eval(model, tasks, cfg: ExperimentConfig, pool, out_path: str, progress=Non
   report = evaluate_lib.evaluate(
       model, tasks, n=e.samples, k_list=e.k_list, temperature=e.temperature,
       max_tokens=e.max_tokens, seed=cfg.seed + 17, pool=pool, out_path=out_path,
-      engine_config=_engine_config(cfg, 64), progress=progress,
+      engine_config=_engine_config(cfg, 64 if cfg.suite == "pyfunc" else 16), progress=progress,
       loop_config=cfg.agent.loop_config(e.max_tokens))
   passed = sum(r.c for r in report.results)
   total = sum(r.n for r in report.results)
