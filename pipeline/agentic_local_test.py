@@ -20,7 +20,7 @@ from envs import reward as reward_lib
 from envs.harness import agent_loop
 from envs.harness import toolcall
 from envs.sandbox import pool as pool_lib
-from envs.tasks import suite_swe
+from envs.tasks import suite_repo
 from moe import sharding
 from moe.tokenizer import ByteTokenizer
 from pipeline import local
@@ -30,7 +30,7 @@ from rl import testing as rl_testing
 from rl import trajectory_io
 from rl.episodes import Episode
 
-MAX_LEN = 2048
+MAX_LEN = 1024
 PER_TURN = 16
 
 
@@ -51,14 +51,15 @@ def _loop(tasks) -> agent_loop.LoopConfig:
   """A context window that holds each task's opening prompt and about one turn."""
   tok = ByteTokenizer()
   base = agent_loop.LoopConfig(max_turns=3, summary_max_tokens=12, max_summaries=1,
-                               max_tokens_per_turn=PER_TURN)
-  opening = max(1 + len(tok.encode(toolcall.initial_prompt(t.instructions))) for t in tasks)
+                               max_tokens_per_turn=PER_TURN, tools=suite_repo.TOOLS)
+  opening = max(1 + len(tok.encode(toolcall.initial_prompt(t.instructions, suite_repo.TOOLS)))
+                for t in tasks)
   return dataclasses.replace(
       base, max_context_tokens=opening + agent_loop.room_for_a_turn(tok.encode, base) + 200)
 
 
 def test_multi_turn_episodes_are_trained(tmp_path):
-  tasks = suite_swe.generate()[:2]
+  tasks = suite_repo.split(suite_repo.generate(), "train")[:2]
   loop = _loop(tasks)
   assert loop.max_context_tokens <= MAX_LEN - 32
   model = testing.MODEL.replace(max_seq_len=MAX_LEN)
@@ -100,7 +101,7 @@ def test_multi_turn_episodes_are_trained(tmp_path):
     assert e.routing is not None and e.routing.shape[1] == e.tokens.size
     # Harness text (the system prompt, error observations) is context, not trained.
     assert 0 < e.loss_mask.sum() < e.tokens.size
-    assert not e.loss_mask[bounds[0][0]:bounds[0][0] + 50].any()
+    assert not e.loss_mask[bounds[0][0]:bounds[0][0] + 40].any()
 
 
 if __name__ == "__main__":
