@@ -4,10 +4,7 @@ directory and HTTP; one sampler is killed mid-run and its requests go to the oth
 import json
 import os
 import signal
-import socket
-import subprocess
 import sys
-import textwrap
 import time
 import urllib.request
 
@@ -19,20 +16,6 @@ from rl import testing as rl_testing
 from rl import trajectory_io
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def _spawn(code: str, log_path: str) -> subprocess.Popen:
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
-             PYTHONUNBUFFERED="1")
-  f = open(log_path, "w")
-  return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env, stdout=f,
-                          stderr=subprocess.STDOUT, start_new_session=True)
-
-
 PRELUDE = """
 import logging
 logging.basicConfig(level=logging.WARNING)
@@ -41,36 +24,23 @@ cfg = testing.config(max_staleness=1)
 """
 
 
-def _wait_http(url, proc, log, timeout=300):
-  t0 = time.time()
-  while time.time() - t0 < timeout:
-    if proc.poll() is not None:
-      raise AssertionError(f"sampler exited: {open(log).read()[-3000:]}")
-    try:
-      with urllib.request.urlopen(url + "/health", timeout=2):
-        return
-    except OSError:
-      time.sleep(0.5)
-  raise AssertionError(f"sampler did not come up: {open(log).read()[-3000:]}")
-
-
 def test_separate_processes_with_a_sampler_killed(tmp_path):
   work = str(tmp_path / "work")
   logs = {n: str(tmp_path / f"{n}.log") for n in ("learner", "s0", "s1", "controller")}
   procs = {}
   try:
-    procs["learner"] = _spawn(PRELUDE + f"""
+    procs["learner"] = testing.spawn(PRELUDE + f"""
 processes.run_learner({work!r}, testing.MODEL, cfg, testing.LEARNER, steps=3)
 """, logs["learner"])
-    ports = [_free_port(), _free_port()]
+    ports = [testing.free_port(), testing.free_port()]
     for i, port in enumerate(ports):
-      procs[f"s{i}"] = _spawn(PRELUDE + f"""
+      procs[f"s{i}"] = testing.spawn(PRELUDE + f"""
 processes.run_sampler({work!r}, port={port}, max_slots=8, max_len=128)
 """, logs[f"s{i}"])
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     for i, u in enumerate(urls):
-      _wait_http(u, procs[f"s{i}"], logs[f"s{i}"])
-    procs["controller"] = _spawn(PRELUDE + f"""
+      testing.wait_http(u, procs[f"s{i}"], logs[f"s{i}"])
+    procs["controller"] = testing.spawn(PRELUDE + f"""
 n = processes.run_controller({work!r}, {urls!r}, cfg, steps=3, pool_size=2, num_tasks=6)
 print("groups written", n)
 """, logs["controller"])
