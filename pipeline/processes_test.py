@@ -1,7 +1,6 @@
 """The pipeline as separate processes (learner, two samplers, controller) over a shared work
 directory and HTTP; one sampler is killed mid-run and its requests go to the other."""
 
-import json
 import os
 import signal
 import sys
