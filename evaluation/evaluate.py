@@ -194,9 +194,10 @@ def evaluate(model_or_engine: Any, tasks: Sequence[task_format.Task], *, n: int 
     context = longest + max_tokens
 
   t0 = time.monotonic()
-  with sources.open_sampler(model_or_engine, context=context,
-                            engine_config=engine_config) as sampler:
-    policy = inprocess_policy.InProcessPolicy(sampler.generate, tokenizer, add_bos=add_bos)
+  with sources.open_sampler(model_or_engine, context=context, engine_config=engine_config,
+                            tokenizer=tokenizer) as sampler:
+    policy = inprocess_policy.InProcessPolicy(sampler.generate, tokenizer, add_bos=add_bos,
+                                              stop_strings=sampler.stop_strings)
     in_flight = max_concurrency
     if sampler.max_queue is not None:  # never overflow the engine's queue (QueueFull)
       in_flight = max(1, min(in_flight, sampler.max_queue // n))

@@ -7,6 +7,8 @@
     per-task JSONL, and that a fixed seed reproduces the file exactly (deterministic engine).
 """
 
+import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -14,9 +16,11 @@ import sys
 import pytest
 
 from envs.harness import scripted_sampler
+from envs.harness import single_turn
 from envs.sandbox import pool as pool_lib
 from envs.tasks import suite_pyfunc
 from evaluation import evaluate as evaluate_lib
+from evaluation import sources
 from moe import tokenizer as tokenizer_lib
 from rollout import testing as rollout_testing
 from rollout.engine import Engine, EngineConfig
@@ -135,11 +139,31 @@ def test_tiny_random_model_report_and_determinism(pool, heldout, tmp_path):
     engine.stop()
 
 
-def test_in_memory_model_builds_and_stops_its_engine(pool, heldout):
+def test_in_memory_model_builds_and_stops_its_engine(pool, heldout, monkeypatch):
   model = rollout_testing.tiny_model(seed=1, max_seq_len=128)
+  opened, calls = [], []
+  real_open = sources.open_sampler
+
+  @contextlib.contextmanager
+  def open_sampler(*a, **kw):  # the real one, watched: its engine and the requests it gets
+    with real_open(*a, **kw) as s:
+      opened.append(s)
+
+      def generate(prompt_token_ids, **kw):
+        calls.append(kw)
+        return s.generate(prompt_token_ids, **kw)
+      yield dataclasses.replace(s, generate=generate)
+
+  monkeypatch.setattr(sources, "open_sampler", open_sampler)
   rep = evaluate_lib.evaluate(model, heldout[:1], n=1, temperature=0.0, max_tokens=4, seed=0,
-                              pool=pool)
+                              pool=pool, tokenizer=TOK)
   assert rep.results[0].n == 1 and rep.results[0].samples[0]["model_tokens"] <= 4
+  assert rep.infra_errors == 0
+  # The engine it built has the evaluation's tokenizer and is handed the harness's stop strings,
+  # so it ends completions at them rather than decoding to max_tokens (sources_test shows it).
+  (s,) = opened
+  assert s.engine.tokenizer is TOK and s.stop_strings and not s.engine.running
+  assert calls and all(c["stop"] == list(single_turn.STOP) for c in calls)
   with pytest.raises(ValueError, match="max_seq_len"):
     evaluate_lib.evaluate(model, heldout[:1], max_tokens=500, pool=pool)
 

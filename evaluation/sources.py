@@ -3,15 +3,22 @@
 Every source becomes the sampler callable the environments harness takes
 (`envs.harness.inprocess_policy`):
 
-    generate(prompt_token_ids, *, n, max_tokens, temperature, stop_token_ids, seed) -> completions
+    generate(prompt_token_ids, *, n, max_tokens, temperature, stop_token_ids, seed[, stop])
+        -> completions
 
-  * a `rollout.engine.Engine`: its `generate` (the caller owns the engine);
+  * a `rollout.engine.Engine`: its `generate` (the caller owns the engine, and its tokenizer);
   * a `moe.model.MoEDecoder` (in memory, e.g. the main job's learner model): a new Engine over its
-    weights, stopped when the evaluation ends. Deterministic mode by default, so a seeded
-    evaluation gives the same completions whatever else is batched with them;
+    weights with the evaluation's tokenizer, stopped when the evaluation ends. Deterministic mode
+    by default, so a seeded evaluation gives the same completions whatever else is batched with
+    them;
   * a checkpoint path: a project checkpoint (`moe.checkpoint`) or a Hugging Face directory
     (`moe.hf`), loaded through `rollout.loading`, then as above;
   * any other callable with the signature above (a remote sampler, a scripted test double).
+
+An engine with a tokenizer also takes the harness's stop strings (`stop=`, `Sampler.stop_strings`)
+and ends each completion at them, so a multi-turn agent's turn is not decoded to `max_tokens`
+past its `</tool_call>`; an engine without one (it cannot match text) and a plain callable get
+stop token ids only, and the harness cuts their completions at the stop strings afterwards.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ def _is_model(obj: Any) -> bool:
       not hasattr(obj, "submit")
 
 
-def _engine_for(model, *, context: int, engine_config):
+def _engine_for(model, *, context: int, engine_config, tokenizer=None):
   from rollout.engine import Engine, EngineConfig  # pylint: disable=g-import-not-at-top
   cfg = model.config
   if context > cfg.max_seq_len:
@@ -49,7 +56,7 @@ def _engine_for(model, *, context: int, engine_config):
   elif (engine_config.max_len or cfg.max_seq_len) < context:
     raise ValueError(f"EngineConfig.max_len {engine_config.max_len} is below the {context} "
                      "positions prompt + max_tokens need")
-  return Engine(model, config=engine_config)
+  return Engine(model, config=engine_config, tokenizer=tokenizer)
 
 
 @dataclasses.dataclass
@@ -58,10 +65,12 @@ class Sampler:
   engine: Any = None  # the Engine behind `generate`, if any
   max_slots: Optional[int] = None  # most completions in flight (None: no limit known)
   max_queue: Optional[int] = None
+  stop_strings: bool = False  # `generate` takes `stop=` and ends completions at stop strings
 
 
 @contextlib.contextmanager
-def open_sampler(source: Any, *, context: int, engine_config=None) -> Iterator[Sampler]:
+def open_sampler(source: Any, *, context: int, engine_config=None,
+                 tokenizer=None) -> Iterator[Sampler]:
   """Yields a Sampler for `source` (see module docstring); stops engines it created.
 
   Args:
@@ -69,16 +78,21 @@ def open_sampler(source: Any, *, context: int, engine_config=None) -> Iterator[S
     context: positions one request needs (prompt tokens + max_tokens), to size a new engine.
     engine_config: a rollout.engine.EngineConfig for a new engine (default: deterministic,
       32 slots, max_len = context rounded up to 64).
+    tokenizer: the tokenizer of a new engine (the evaluation's), so it can match stop strings;
+      an Engine passed in keeps its own.
   """
   if isinstance(source, str):
     source = load_checkpoint(source)
   if hasattr(source, "submit") and hasattr(source, "generate"):  # an Engine
-    yield Sampler(source.generate, source, source.config.max_slots, source.config.max_queue)
+    yield Sampler(source.generate, source, source.config.max_slots, source.config.max_queue,
+                  stop_strings=getattr(source, "tokenizer", None) is not None)
     return
   if _is_model(source):
-    engine = _engine_for(source, context=context, engine_config=engine_config)
+    engine = _engine_for(source, context=context, engine_config=engine_config,
+                         tokenizer=tokenizer)
     try:
-      yield Sampler(engine.generate, engine, engine.config.max_slots, engine.config.max_queue)
+      yield Sampler(engine.generate, engine, engine.config.max_slots, engine.config.max_queue,
+                    stop_strings=engine.tokenizer is not None)
     finally:
       engine.stop()
     return

@@ -2,14 +2,22 @@
 
 The sampler is any callable
 
-    generate(prompt_token_ids: list[int], *, n, max_tokens, temperature, stop_token_ids, seed)
-        -> list[completion]
+    generate(prompt_token_ids: list[int], *, n, max_tokens, temperature, stop_token_ids, seed
+             [, stop]) -> list[completion]
 
 where each completion has `token_ids`, `logprobs`, `routing` (int array [moe_layers, T, k] or
 None), optionally `prompt_routing` ([moe_layers, P-1, k]), and `policy_versions` (per-token
 list, an int, or None). A sampler that stops on token ids only is fine: multi-token stop strings
 (`</tool_call>`) are applied here too, cutting the completion just after the first stop string
-with every per-token field.
+with every per-token field. A sampler that can end completions at stop strings itself
+(`stop_strings=True`, e.g. `rollout.engine.Engine.generate` on an engine with a tokenizer) is
+also handed the request's stop strings as `stop`, so it stops decoding there instead of running
+to `max_tokens` for tokens thrown away here. It keeps every token up to and including the one
+that completes the stop string (`rollout.outputs.find_stop`), which is exactly what the cut here
+keeps, so the completion is the same either way; only the wasted decode goes. (With several stop
+strings the sampler ends at the first one completed, the cut here at the first one begun: they
+differ only when one stop string is completed inside another's span, which the harness's stop
+sets never allow.)
 
 `add_bos`: the model's contexts start with BOS (`start_ids`); the harness puts it at the head of
 each segment, and prompts are sent exactly as given, so the trajectory holds what the sampler saw.
@@ -31,12 +39,17 @@ class InProcessPolicy:
     generate: the sampler callable (see module docstring).
     tokenizer: encode/decode plus `eos_id` (e.g. moe.tokenizer.ByteTokenizer()).
     add_bos: prepend the tokenizer's BOS to every prompt (how the tiny model was trained).
+    stop_strings: `generate` takes `stop=` (a list of stop strings) and ends completions at them
+      (see the module docstring). The keyword goes only with a request that has stop strings;
+      False (a sampler that matches token ids only): it is never sent.
   """
 
-  def __init__(self, generate: Callable[..., list[Any]], tokenizer: Any, *, add_bos: bool = False):
+  def __init__(self, generate: Callable[..., list[Any]], tokenizer: Any, *, add_bos: bool = False,
+               stop_strings: bool = False):
     self.generate = generate
     self.tokenizer = tokenizer
     self.add_bos = add_bos
+    self.stop_strings = stop_strings
 
   def encode(self, text: str) -> list[int]:
     return self.tokenizer.encode(text)
@@ -50,6 +63,9 @@ class InProcessPolicy:
   def complete(self, prompt_ids, *, max_tokens, stop=(), temperature=1.0, seed=None, n=1,
                top_p=1.0):
     kwargs = {"top_p": top_p} if top_p != 1.0 else {}
+    stop_list = [x for x in stop if x]  # an empty stop string matches nothing here (convert)
+    if self.stop_strings and stop_list:
+      kwargs["stop"] = stop_list
     try:
       raw = self.generate(list(prompt_ids), n=n, max_tokens=max_tokens, temperature=temperature,
                           stop_token_ids=[self.tokenizer.eos_id], seed=seed, **kwargs)

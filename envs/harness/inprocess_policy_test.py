@@ -33,6 +33,37 @@ def test_adapter_cuts_at_stop_strings_and_eos():
   assert c.finish_reason == "length" and len(c.token_ids) == 2
 
 
+def test_stop_strings_reach_a_generate_that_takes_them():
+  """With stop_strings=True the request's stop strings go to generate (so it can stop decoding
+  there); without stop strings, or with stop_strings=False, generate gets no `stop` at all."""
+  inner = scripted_sampler.scripted_generate(["abc</tool_call>tail"])
+  seen = []
+
+  def generate(prompt_token_ids, *, stop=None, **kw):
+    seen.append(stop)
+    out = inner(prompt_token_ids, **kw)
+    if stop:  # a sampler that ends at stop strings: keeps up to the completing token
+      c = out[0]
+      cut, _ = policy_lib.truncate_at_stop(c.token_ids, TOK.decode, stop)
+      c.token_ids, c.logprobs, c.routing = c.token_ids[:cut], c.logprobs[:cut], c.routing[:, :cut]
+    return out
+
+  pol = inprocess_policy.InProcessPolicy(generate, TOK, stop_strings=True)
+  a = pol.complete(TOK.encode("hi"), max_tokens=50, stop=("</tool_call>", "<|im_end|>"))[0]
+  assert seen == [["</tool_call>", "<|im_end|>"]]
+  assert a.text == "abc</tool_call>" and a.finish_reason == "stop"
+  assert len(a.logprobs) == len(a.token_ids) == a.routing.shape[1] == len(a.policy_versions)
+  pol.complete(TOK.encode("hi"), max_tokens=50)
+  assert seen[1] is None
+  # A plain callable without the keyword keeps working: no stop strings, or stop_strings=False.
+  plain = scripted_sampler.scripted_generate(["abc</tool_call>tail"])
+  assert inprocess_policy.InProcessPolicy(plain, TOK, stop_strings=True).complete(
+      TOK.encode("hi"), max_tokens=50)[0].text == "abc</tool_call>tail"
+  b = inprocess_policy.InProcessPolicy(plain, TOK).complete(TOK.encode("hi"), max_tokens=50,
+                                                           stop=["</tool_call>"])[0]
+  assert b.token_ids == a.token_ids and b.logprobs == a.logprobs
+
+
 def test_truncate_at_stop_multibyte():
   ids = TOK.encode("héllo STOP after")
   cut, hit = policy_lib.truncate_at_stop(ids, TOK.decode, ["STOP"])
