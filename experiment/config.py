@@ -111,6 +111,7 @@ class EvalConfig:
 
 
 SUITES = ("pyfunc", "repo")
+TOKENIZERS = ("bytes", "bpe")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,10 +179,17 @@ class ExperimentConfig:
   validation_fraction: float = 0.0
   suite: str = "pyfunc"
   agent: AgentConfig = AgentConfig()
+  # "bytes": moe.tokenizer.ByteTokenizer (the model's vocab_size must be its 259). "bpe": a
+  # byte-level BPE of at most `bpe_vocab_size` ids trained on the pre-training corpus
+  # (moe.tokenizer.BPETokenizer, saved with the models); the model's vocab_size is set to it.
+  tokenizer: str = "bytes"
+  bpe_vocab_size: int = 2048
 
   def __post_init__(self):
     if self.suite not in SUITES:
       raise ValueError(f"suite must be one of {SUITES}, got {self.suite!r}")
+    if self.tokenizer not in TOKENIZERS:
+      raise ValueError(f"tokenizer must be one of {TOKENIZERS}, got {self.tokenizer!r}")
     if self.suite == "repo":
       window = self.agent.max_context_tokens
       if window + 16 > self.rl.pipeline.seq_len or window > self.model.max_seq_len:

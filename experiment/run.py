@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from envs.harness import toolcall
 from envs.sandbox import pool as pool_lib
 from envs.tasks import suite_pyfunc
 from envs.tasks import suite_repo
@@ -29,7 +30,7 @@ from experiment.config import ExperimentConfig
 from moe import build
 from moe import checkpoint as moe_checkpoint
 from moe import sharding
-from moe.tokenizer import ByteTokenizer
+from moe.tokenizer import BPETokenizer, ByteTokenizer
 from pipeline import local
 from pipeline import resources
 from rl import learner as learner_lib
@@ -63,25 +64,36 @@ def _engine_config(cfg: ExperimentConfig, slots: int) -> EngineConfig:
                       length_bucket=max(64, window // 4), min_prefill_len=max(16, window // 16))
 
 
-def _eval(model, tasks, cfg: ExperimentConfig, pool, out_path: str, progress=None):
+def _save_model(model, tokenizer, directory: str) -> None:
+  """The model's parameters, and its tokenizer.json beside them when it has a trained one."""
+  moe_checkpoint.save_params(model, directory)
+  if isinstance(tokenizer, BPETokenizer):
+    tokenizer.save(directory)
+
+
+def _eval(model, tasks, cfg: ExperimentConfig, pool, out_path: str, progress=None,
+          tokenizer=None):
   e = cfg.eval
   report = evaluate_lib.evaluate(
       model, tasks, n=e.samples, k_list=e.k_list, temperature=e.temperature,
       max_tokens=e.max_tokens, seed=cfg.seed + 17, pool=pool, out_path=out_path,
       engine_config=_engine_config(cfg, 64 if cfg.suite == "pyfunc" else 16), progress=progress,
-      loop_config=cfg.agent.loop_config(e.max_tokens))
+      loop_config=cfg.agent.loop_config(e.max_tokens), tokenizer=tokenizer)
   passed = sum(r.c for r in report.results)
   total = sum(r.n for r in report.results)
   return report, passed, total
 
 
-def corpus(cfg: ExperimentConfig, all_tasks, pool) -> tuple[list, dict]:
+def corpus(cfg: ExperimentConfig, all_tasks, pool, tokenizer=None, *,
+           tasks_share: int = 1) -> tuple[list, dict]:
   """The pre-training documents and what they hold.
 
   Single-turn suite: the train tasks' prompts and solutions and generated code snippets. The
   repository suite: generated code snippets and agent transcripts of the train tasks (oracle
-  episodes run by the harness with the RL run's loop settings, envs.tasks.transcripts), so the
-  model learns the tool-call format, reading test output, fixing and summarising before RL.
+  episodes run by the harness with the RL run's loop settings and `tokenizer`, the model's,
+  since the context window is counted in its tokens: envs.tasks.transcripts), so the model
+  learns the tool-call format, reading test output, fixing and summarising before RL.
+  `tasks_share` k > 1 runs transcripts of every k-th train task only (the tokenizer's sample).
   Held-out (and validation) tasks never appear.
   """
   p = cfg.pretrain
@@ -94,38 +106,71 @@ def corpus(cfg: ExperimentConfig, all_tasks, pool) -> tuple[list, dict]:
   # The oracle takes the turns its plan needs (the task's limit), whatever RL's turn cap.
   loop = dataclasses.replace(cfg.agent.loop_config(cfg.rl.pipeline.max_new_tokens),
                              max_turns=None)
+  sources_ = [t for t in all_tasks if t.split == "train"][::tasks_share]
   records = []
   for r in range(p.corpus_repeats):
     records += transcripts_lib.transcript_records(
-        all_tasks, pool, loop_config=loop, tokenizer=ByteTokenizer(), seed=cfg.seed + r,
-        summarised_share=p.transcript_summarised_share)
+        sources_, pool, loop_config=loop, tokenizer=tokenizer or ByteTokenizer(),
+        seed=cfg.seed + r, summarised_share=p.transcript_summarised_share)
   agent_docs = [d for t in records for d in t.documents]
   docs = code + agent_docs
   np.random.default_rng(cfg.seed).shuffle(docs)
-  return docs, {"documents": len(docs), "code_documents": len(code),
-                "agent_documents": len(agent_docs), **transcripts_lib.stats(records)}
+  return docs, {**transcripts_lib.stats(records), "documents": len(docs),
+                "code_documents": len(code), "agent_documents": len(agent_docs)}
+
+
+def make_tokenizer(cfg: ExperimentConfig, all_tasks, pool):
+  """The model's tokenizer: bytes, or (cfg.tokenizer == "bpe") byte-level BPE trained on a
+  sample of the pre-training corpus (every code snippet, a third of the train tasks'
+  transcripts rendered in bytes), the chat template's tags one token each."""
+  if cfg.tokenizer == "bytes":
+    return ByteTokenizer()
+  # The sample is rendered in bytes: the loop's budgets, counted in the BPE's tokens, are
+  # scaled to bytes (about four a token on these transcripts) so the same episodes play out.
+  a, pl = cfg.agent, cfg.rl.pipeline
+  in_bytes = dataclasses.replace(
+      cfg, agent=dataclasses.replace(a, max_context_tokens=4 * a.max_context_tokens,
+                                     summary_max_tokens=4 * a.summary_max_tokens),
+      rl=dataclasses.replace(cfg.rl, pipeline=dataclasses.replace(
+          pl, max_new_tokens=4 * pl.max_new_tokens, seq_len=4 * pl.seq_len)),
+      model=cfg.model.replace(max_seq_len=4 * cfg.model.max_seq_len))
+  docs, _ = corpus(in_bytes, all_tasks, pool, ByteTokenizer(), tasks_share=3)
+  return BPETokenizer.train(docs, cfg.bpe_vocab_size, extra_tokens=toolcall.TEMPLATE_TOKENS)
+
+
+def with_tokenizer(cfg: ExperimentConfig, tokenizer) -> ExperimentConfig:
+  """`cfg` with the model's vocabulary that of `tokenizer` (BPE); bytes must already fit."""
+  if isinstance(tokenizer, BPETokenizer):
+    return dataclasses.replace(cfg, model=cfg.model.replace(vocab_size=tokenizer.vocab_size))
+  if cfg.model.vocab_size < tokenizer.vocab_size:
+    raise ValueError(f"the model's vocab_size ({cfg.model.vocab_size}) is smaller than the "
+                     f"tokenizer's ({tokenizer.vocab_size})")
+  return cfg
 
 
 def pretrain(cfg: ExperimentConfig, run_dir: str, all_tasks, mesh, *,
              rep: Optional[reporting.Reporter] = None,
-             echo: Callable[[str], None] = print, pool=None):
-  """Continual pre-training on the generated corpus (`corpus`); returns the model (fresh if
-  steps == 0)."""
+             echo: Callable[[str], None] = print, pool=None, tokenizer=None):
+  """Continual pre-training on the generated corpus (`corpus`, in `tokenizer`'s tokens);
+  returns the model (fresh if steps == 0). cfg.model's vocabulary must hold the tokenizer's."""
   t0 = time.time()
+  tokenizer = tokenizer or ByteTokenizer()
   pre_cfg = cfg.model.replace(capacity_factor=cfg.pretrain.capacity_factor)
   p = cfg.pretrain
   pre = learner_lib.build_learner(p.learner_config(), pre_cfg, mesh=mesh, seed=cfg.seed)
   if p.steps:
-    docs, about = corpus(cfg, all_tasks, pool)
+    docs, about = corpus(cfg, all_tasks, pool, tokenizer)
+    about["tokenizer"] = {"kind": cfg.tokenizer, "vocab_size": tokenizer.vocab_size}
     with open(os.path.join(run_dir, "corpus.json"), "w", encoding="utf-8") as f:
       json.dump(about, f, indent=1)
     if cfg.suite != "pyfunc":
       echo(f"corpus: {about['code_documents']} code documents, {about['agent_documents']} agent "
            f"transcript segments ({about['transcripts']} oracle episodes, "
-           f"{about['summarised_episodes']} summarised) in {time.time() - t0:.0f}s")
+           f"{about['summarised_episodes']} summarised; median "
+           f"{about['median_segment_tokens']:.0f} tokens) in {time.time() - t0:.0f}s")
     files = write_corpus(docs, os.path.join(run_dir, "corpus"))
     trainer = Trainer(pre, pretrain_data.pretrain_dataset(
-        files, seq_len=p.seq_len, batch_rows=p.batch_rows, seed=cfg.seed))
+        files, seq_len=p.seq_len, batch_rows=p.batch_rows, seed=cfg.seed, tokenizer=tokenizer))
     if rep is not None:
       rep.start_phase("pretrain", p.steps)
     for _ in range(p.steps):
@@ -209,17 +254,26 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
   pool = pool_lib.WarmPool(size=cfg.sandbox_pool)
   timings = {}
   try:
+    # -- 0. the tokenizer (BPE: trained on a sample of the corpus; its size sets the vocabulary)
+    t0 = time.time()
+    tok = make_tokenizer(cfg, all_tasks, pool)
+    cfg = with_tokenizer(cfg, tok)
+    if isinstance(tok, BPETokenizer):
+      tok.save(os.path.join(run_dir, "tokenizer"))
+      timings["tokenizer_s"] = time.time() - t0
+      echo(f"tokenizer: byte-level BPE of {tok.vocab_size} ids in {time.time() - t0:.0f}s")
+
     # -- 1. continual pre-training on code -------------------------------------------------
     t0 = time.time()
-    model = pretrain(cfg, run_dir, all_tasks, mesh, rep=rep, echo=echo, pool=pool)
+    model = pretrain(cfg, run_dir, all_tasks, mesh, rep=rep, echo=echo, pool=pool, tokenizer=tok)
     timings["pretrain_s"] = time.time() - t0
-    moe_checkpoint.save_params(model, os.path.join(run_dir, "pretrained_model"))
+    _save_model(model, tok, os.path.join(run_dir, "pretrained_model"))
 
     # -- 2. held-out evaluation before RL ------------------------------------------------------
     t0 = time.time()
     if evaluate:
       before, b_pass, b_total = _eval(model, heldout, cfg, pool,
-                                      os.path.join(run_dir, "eval_before.jsonl"))
+                                      os.path.join(run_dir, "eval_before.jsonl"), tokenizer=tok)
       rep.log("eval", 0, {"pass1": b_pass / b_total, "passed": b_pass, "samples": b_total,
                           **{f"pass@{k}": v for k, v in before.pass_at_k.items()
                              if v is not None}}, advance=0)
@@ -274,7 +328,8 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
           learner=rl_learner, tasks=train, pool=pool, workdir=os.path.join(run_dir, "rl"),
           config=r.pipeline, num_steps=r.steps, num_samplers=r.num_samplers,
           engine_config=_engine_config(cfg, r.sampler_slots), on_step=on_step,
-          on_group=on_group, loop_config=cfg.agent.loop_config(r.pipeline.max_new_tokens))
+          on_group=on_group, loop_config=cfg.agent.loop_config(r.pipeline.max_new_tokens),
+          tokenizer=tok)
       rep.end_phase()
       rl_learner = result.learner
       c = result.controller
@@ -303,12 +358,12 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
     t0 = time.time()
     if evaluate:
       after, a_pass, a_total = _eval(rl_learner.model(), heldout, cfg, pool,
-                                     os.path.join(run_dir, "eval_after.jsonl"))
+                                     os.path.join(run_dir, "eval_after.jsonl"), tokenizer=tok)
       rep.log("eval", max(r.steps, 1), {
           "pass1": a_pass / a_total, "passed": a_pass, "samples": a_total,
           **{f"pass@{k}": v for k, v in after.pass_at_k.items() if v is not None}}, advance=0)
       timings["eval_after_s"] = time.time() - t0
-    moe_checkpoint.save_params(rl_learner.model(), os.path.join(run_dir, "final_model"))
+    _save_model(rl_learner.model(), tok, os.path.join(run_dir, "final_model"))
   finally:
     pool.close()
     rep.close()

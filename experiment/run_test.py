@@ -88,6 +88,12 @@ def test_validation_mode_evaluates_carved_train_tasks_not_heldout():
                                  "validation pass@1: before 1/4 -> after 3/4")
   with pytest.raises(ValueError, match="validation_fraction"):
     ExperimentConfig(model=TINY, validation_fraction=1.0)
+  with pytest.raises(ValueError, match="tokenizer must be one of"):
+    ExperimentConfig(model=TINY, tokenizer="sentencepiece")
+  # Bytes keep the model's vocabulary, which must hold them; a BPE sets it.
+  with pytest.raises(ValueError, match="smaller than the tokenizer's"):
+    run_lib.with_tokenizer(ExperimentConfig(model=TINY.replace(vocab_size=200)),
+                           run_lib.ByteTokenizer())
 
 
 def test_rl_learner_takes_the_rl_settings():
@@ -115,26 +121,40 @@ def test_rl_learner_takes_the_rl_settings():
 
 
 def test_agentic_experiment_end_to_end(tmp_path):
-  """The repository suite: pre-training on code and agent transcripts, multi-turn evaluation and
-  multi-turn RL through the same harness; summary.json carries the agentic RL fields."""
+  """The repository suite as agent.gin runs it: a BPE tokenizer trained on the corpus,
+  pre-training on code and agent transcripts in its tokens, multi-turn evaluation and multi-turn
+  RL through the same harness; summary.json carries the agentic RL fields and the models are
+  saved with their tokenizer."""
+  from envs.harness import toolcall  # pylint: disable=g-import-not-at-top
   from envs.tasks import suite_repo  # pylint: disable=g-import-not-at-top
   from experiment.config import AgentConfig  # pylint: disable=g-import-not-at-top
+  from moe import checkpoint as moe_checkpoint  # pylint: disable=g-import-not-at-top
+  from moe import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
   every = suite_repo.generate()
-  tasks = suite_repo.split(every, "train")[:4] + suite_repo.split(every, "test")[:2]
+  tasks = suite_repo.split(every, "train")[:6] + suite_repo.split(every, "test")[:2]
   cfg = ExperimentConfig(
-      model=TINY.replace(max_seq_len=1536),
-      pretrain=PretrainConfig(steps=2, batch_rows=2, seq_len=512, corpus_snippets=10,
+      model=TINY.replace(max_seq_len=512),
+      pretrain=PretrainConfig(steps=2, batch_rows=2, seq_len=256, corpus_snippets=10,
                               corpus_repeats=1, transcript_summarised_share=1.0),
       rl=RLConfig(steps=1, sampler_slots=8, pipeline=PipelineConfig(
-          max_staleness=1, prompts_per_step=2, attempts=2, max_new_tokens=128, seq_len=1424,
+          max_staleness=1, prompts_per_step=2, attempts=2, max_new_tokens=48, seq_len=368,
           batch_rows=8, grade_workers=2)),
-      eval=EvalConfig(samples=1, max_tokens=128, k_list=(1,)),
-      suite="repo", agent=AgentConfig(max_turns=3, max_context_tokens=1408),
-      sandbox_pool=2)
+      eval=EvalConfig(samples=1, max_tokens=48, k_list=(1,)),
+      suite="repo", agent=AgentConfig(max_turns=3, max_context_tokens=352,
+                                      summary_max_tokens=32),
+      sandbox_pool=2, tokenizer="bpe", bpe_vocab_size=1024)
   summary = run_lib.run(cfg, str(tmp_path), progress=False, echo=lambda _: None, tasks=tasks)
   assert summary["heldout_tasks"] == 2 and summary["before"]["samples"] == 2
+  tok = tokenizer_lib.load(str(tmp_path / "tokenizer"))
+  assert isinstance(tok, tokenizer_lib.BPETokenizer) and 300 < tok.vocab_size <= 1024
+  for tag in toolcall.TEMPLATE_TOKENS:
+    assert tok.encode(tag) == [tok.special_id(tag)]
   corpus = json.load(open(tmp_path / "corpus.json"))
-  assert corpus["agent_documents"] >= 4 and corpus["summarised_episodes"] >= 1, corpus
+  assert corpus["tokenizer"] == {"kind": "bpe", "vocab_size": tok.vocab_size}, corpus
+  assert corpus["agent_documents"] >= 6 and corpus["summarised_episodes"] >= 1, corpus
+  assert corpus["documents"] == corpus["agent_documents"] + corpus["code_documents"]
+  # Transcripts fit the window in the BPE's tokens, several bytes a token.
+  assert corpus["max_segment_tokens"] <= 352 and corpus["median_segment_tokens"] > 0
   rl = json.load(open(tmp_path / "summary.json"))["rl"]
   for key in ("episodes_trained", "mean_turns", "tool_calls_per_episode", "summarised_episodes",
               "hack_flagged", "zero_variance_groups", "prefix_cache_hit_rate", "feedback"):
@@ -144,6 +164,13 @@ def test_agentic_experiment_end_to_end(tmp_path):
   assert rl["prefix_cache_hit_rate"] > 0, rl
   evals = [json.loads(l) for l in open(tmp_path / "eval_before.jsonl")]
   assert all(r["mode"] == "agent" for r in evals)
+  # Each saved model has the tokenizer's vocabulary and its tokenizer.json beside it.
+  for name in ("pretrained_model", "final_model"):
+    model_dir = str(tmp_path / name)
+    assert moe_checkpoint.load_config(model_dir).vocab_size == tok.vocab_size
+    assert tokenizer_lib.load(model_dir).encode("def f():") == tok.encode("def f():")
+    assert moe_checkpoint.load_model(model_dir).config.vocab_size == tok.vocab_size
+
 
 if __name__ == "__main__":
   sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))

@@ -166,7 +166,7 @@ def run(*, learner, tasks: Sequence, pool, workdir: str, config: PipelineConfig,
         stop: Optional[threading.Event] = None,
         after_start: Optional[Callable[[dict], None]] = None,
         learner_factory: Optional[Callable[[], object]] = None,
-        loop_config: agent_loop.LoopConfig = agent_loop.LoopConfig(),
+        loop_config: agent_loop.LoopConfig = agent_loop.LoopConfig(), tokenizer=None,
         max_learner_restarts: int = 3) -> RunResult:
   """Runs `num_steps` learner steps of asynchronous RL (max staleness config.max_staleness).
 
@@ -188,6 +188,8 @@ def run(*, learner, tasks: Sequence, pool, workdir: str, config: PipelineConfig,
     learner_factory: builds a fresh learner after the learner loop dies; the new one restores the
       latest checkpoint and the pipeline carries on (samplers and controller keep running).
     loop_config: the agent loop's settings for multi-turn tasks.
+    tokenizer: the model's tokenizer (moe.tokenizer; default: bytes), for the controller's
+      prompts and the engines' stop strings.
 
   Raises:
     ValueError: the learner's staleness bound is not config.max_staleness (the run's one bound;
@@ -198,7 +200,8 @@ def run(*, learner, tasks: Sequence, pool, workdir: str, config: PipelineConfig,
     raise ValueError(f"the learner's staleness bound ({learner.loss_cfg.max_staleness}) is not "
                      f"the pipeline's (PipelineConfig.max_staleness = {config.max_staleness}); "
                      "build it with rl.learner.build_learner(..., max_staleness=...)")
-  check_capacity(tasks, config, loop_config=loop_config)
+  tokenizer = tokenizer or ByteTokenizer()
+  check_capacity(tasks, config, tokenizer, loop_config=loop_config)
   stop = stop or threading.Event()
   os.makedirs(workdir, exist_ok=True)
   traj_dir = os.path.join(workdir, "trajectories")
@@ -223,7 +226,6 @@ def run(*, learner, tasks: Sequence, pool, workdir: str, config: PipelineConfig,
 
   # Samplers start from the newest published weights and follow the channel.
   flat0, v0 = publisher_lib.restore(channel.store)
-  tokenizer = ByteTokenizer()
   engines, subscribers, threads = [], [], []
   for i in range(num_samplers):
     eng = Engine.from_flat(flat0, cfg, config=engine_config, version=v0, tokenizer=tokenizer)
@@ -244,7 +246,8 @@ def run(*, learner, tasks: Sequence, pool, workdir: str, config: PipelineConfig,
 
   controller = controller_lib.RolloutController(
       tasks, sampler_set, pool, group_sink(writer), config=config,
-      reward_config=reward_config, on_group=on_group, grade_fn=grade_fn, loop_config=loop_config)
+      reward_config=reward_config, on_group=on_group, grade_fn=grade_fn, loop_config=loop_config,
+      tokenizer=tokenizer)
   controller.groups_written = done_groups
   errors: list = []
 

@@ -35,6 +35,9 @@ IM_END = "<|im_end|>"
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
 STOP = (CALL_CLOSE, IM_END)
+# Every tag the template writes: a tokenizer trained for it keeps each one a single token.
+TEMPLATE_TOKENS = (IM_START, IM_END, CALL_OPEN, CALL_CLOSE, "<tool_response>", "</tool_response>",
+                   "<tools>", "</tools>")
 
 TOOL_SPECS = [
     {"name": "list_files", "description": "List files under a directory of the repository.",
