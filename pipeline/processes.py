@@ -1,17 +1,26 @@
 """The pipeline's parts as separate processes: learner, sampler and controller.
 
 Each `run_*` function below is the body of one part of the `//tools:rl_part` binary
-(`bazel run //tools:rl_part -- learner|sampler|controller ...`). They meet through a shared work directory:
+(`bazel run //tools:rl_part -- learner|sampler|controller ... [--tokenizer=DIR]`). They meet
+through a shared work directory:
   <workdir>/trajectories/   record files (controller writes, learner reads)
   <workdir>/weights/        the sync store (learner publishes, samplers subscribe)
   <workdir>/checkpoints/    the learner's checkpoints (train state + reader position)
 and the controller reaches the samplers over HTTP (their OpenAI-compatible API). Any part can be
 killed and restarted: the learner restores its checkpoint, a sampler reloads the newest published
 weights, the controller resumes after the last group it wrote.
+
+Every part speaks the model's tokenizer (`tokenizer_dir`: a directory holding tokenizer.json, as
+a model directory the experiment wrote does; none means bytes). Parts that disagree would encode
+prompts in one vocabulary for a model of another, which samples garbage without any error, so
+the learner publishes its tokenizer's identity (`tokenizer_info`) with every version of the
+weights and a sampler (or a controller, once weights are published) refuses to start on
+another one (`TokenizerError`), as it does on a tokenizer larger than the model's vocabulary.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -88,11 +97,71 @@ def parse_step_lines(text: str) -> list[dict]:
   return out
 
 
+class TokenizerError(ValueError):
+  """A part's tokenizer cannot serve its model: no tokenizer.json where one was named, more ids
+  than the model's vocabulary, or not the tokenizer the learner's published weights use."""
+
+
+def load_tokenizer(tokenizer_dir: Optional[str]):
+  """The tokenizer saved in `tokenizer_dir` (a directory holding tokenizer.json), or the byte
+  tokenizer when `tokenizer_dir` is None.
+
+  A named directory without tokenizer.json raises TokenizerError rather than falling back to
+  bytes as moe.tokenizer.load does: the caller asked for a trained tokenizer, and bytes in its
+  place would be the wrong vocabulary for the model, silently.
+  """
+  from moe import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+  if tokenizer_dir is None:
+    return tokenizer_lib.ByteTokenizer()
+  path = os.path.join(tokenizer_dir, tokenizer_lib.TOKENIZER_FILE)
+  if not os.path.isfile(path):
+    raise TokenizerError(f"no {tokenizer_lib.TOKENIZER_FILE} in the tokenizer directory "
+                         f"{tokenizer_dir} (expected {path}); name the directory a model was "
+                         "saved in with its tokenizer, or leave the tokenizer out for bytes")
+  return tokenizer_lib.load(tokenizer_dir)
+
+
+def tokenizer_info(tok) -> dict:
+  """What names `tok` in the published weights' manifests: its kind, its number of ids and a
+  digest of its vocabulary (every id's text), so two copies of one tokenizer.json match and
+  different tokenizers of one size do not."""
+  texts = [tok.decode([i], skip_special=False) for i in range(tok.vocab_size)]
+  digest = hashlib.sha256(json.dumps(texts).encode()).hexdigest()[:16]
+  return {"kind": type(tok).__name__, "vocab_size": int(tok.vocab_size), "digest": digest}
+
+
+def check_tokenizer(tok, model_cfg: ModelConfig, published: Optional[dict] = None, *,
+                    part: str, tokenizer_dir: Optional[str] = None) -> None:
+  """Raises TokenizerError unless `tok` fits `model_cfg`'s vocabulary and (when given) is the
+  tokenizer `published` in the weights' manifest (`tokenizer_info` of the learner's)."""
+  name = tokenizer_dir or "bytes (no tokenizer named)"
+  if tok.vocab_size > model_cfg.vocab_size:
+    raise TokenizerError(f"{part}: the tokenizer ({name}) has {tok.vocab_size} ids but the "
+                         f"model's vocab_size is {model_cfg.vocab_size}; give the model's own "
+                         "tokenizer (the directory its tokenizer.json was saved in)")
+  mine = tokenizer_info(tok)
+  if published is not None and published != mine:
+    raise TokenizerError(f"{part}: the learner publishes weights for the tokenizer "
+                         f"{_describe(published)} but this part's ({name}) is {_describe(mine)}; "
+                         "start every part with the learner's tokenizer (rl_part --tokenizer=DIR)")
+
+
+def _describe(info: dict) -> str:
+  return (f"{info.get('kind')} of {info.get('vocab_size')} ids "
+          f"(vocabulary digest {info.get('digest')})")
+
+
 def run_learner(workdir: str, model_cfg: ModelConfig, config: PipelineConfig,
                 learner_config: LearnerConfig, *, steps: int,
                 init_checkpoint: Optional[str] = None, checkpoint_every: int = 1,
-                seed: int = 0, missing_timeout_s: float = 30.0) -> int:
+                seed: int = 0, missing_timeout_s: float = 30.0,
+                tokenizer_dir: Optional[str] = None) -> int:
   """Trains until `steps` learner steps are done; returns the final step.
+
+  `tokenizer_dir`: where the model's tokenizer.json is (`load_tokenizer`); by default the one
+  saved beside `init_checkpoint` if there is one, else bytes. It must fit the model's
+  vocabulary, and its `tokenizer_info` goes into every published manifest, where samplers and
+  controllers check theirs against it (TokenizerError).
 
   Its output: one `step_line` per step (replayed ones after a restart marked) and a closing
   `summary_line`, also when it stops with an error (an empty step, a version mismatch). A
@@ -110,10 +179,18 @@ def run_learner(workdir: str, model_cfg: ModelConfig, config: PipelineConfig,
   from rl.checkpointing import CheckpointManager  # pylint: disable=g-import-not-at-top
   from rl import learner as learner_lib  # pylint: disable=g-import-not-at-top
   from rl.episodes import ValidationSpec  # pylint: disable=g-import-not-at-top
+  from moe import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
   p = paths(workdir)
+  if tokenizer_dir is not None:
+    tok = load_tokenizer(tokenizer_dir)
+  else:
+    tok = tokenizer_lib.load(init_checkpoint)  # the one saved with the model, else bytes
+    if init_checkpoint and isinstance(tok, tokenizer_lib.BPETokenizer):
+      tokenizer_dir = init_checkpoint
+  if init_checkpoint:
+    model_cfg = moe_checkpoint.load_config(init_checkpoint)
+  check_tokenizer(tok, model_cfg, part="learner", tokenizer_dir=tokenizer_dir)
   init = moe_checkpoint.load_model(init_checkpoint) if init_checkpoint else None
-  if init is not None:
-    model_cfg = init.config
   learner = learner_lib.build_learner(learner_config, model_cfg,
                                       mesh=sharding.make_mesh((1, 1, 1, 1)), seed=seed,
                                       init_model=init, max_staleness=config.max_staleness)
@@ -121,6 +198,7 @@ def run_learner(workdir: str, model_cfg: ModelConfig, config: PipelineConfig,
                         routing_shape=(model_cfg.num_moe_layers, model_cfg.num_experts_per_tok),
                         num_experts=model_cfg.num_experts, require_routing=True)
   channel = WeightChannel(p["weights"], model_cfg=model_cfg)
+  channel.model_info["tokenizer"] = tokenizer_info(tok)
   ckpt = CheckpointManager(p["checkpoints"], max_to_keep=2)
   batcher = StepBatcher(p["trajectories"], config=config, spec=spec,
                         missing_timeout_s=missing_timeout_s)
@@ -172,23 +250,28 @@ def wait_for_weights(store_url: str, timeout_s: float = 600.0, name: Optional[st
 
 def run_sampler(workdir: str, *, port: int, max_slots: int = 64, max_len: int = 256,
                 sync_interval_s: float = 0.05, stale_versions: int = 2,
-                stale_s: float = 60.0) -> None:
+                stale_s: float = 60.0, tokenizer_dir: Optional[str] = None) -> None:
   """Serves the newest published weights over HTTP and follows new versions (blocking).
 
   It starts on the newest version it can restore (`wait_for_weights`: around a damaged delta,
   asking the learner for a snapshot) and follows from there.
 
+  `tokenizer_dir`: the model's tokenizer (`load_tokenizer`; None: bytes), the engine's for stop
+  strings and text prompts, its eos id the engine's end of sequence. It is checked before
+  serving against the model config and tokenizer the published manifest names
+  (`check_tokenizer`): a mismatch raises TokenizerError naming both.
+
   `/health` answers 503 (naming the problem) when the weight-sync thread died or the served
   weights have been more than `stale_versions` behind the published ones for over `stale_s`
   seconds (sync.subscriber.Subscriber.health_problem).
   """
-  from moe.tokenizer import ByteTokenizer  # pylint: disable=g-import-not-at-top
   from pipeline.local import swap_into  # pylint: disable=g-import-not-at-top
   from rollout import server  # pylint: disable=g-import-not-at-top
   from rollout.engine import Engine, EngineConfig  # pylint: disable=g-import-not-at-top
+  tok = load_tokenizer(tokenizer_dir)  # a missing file fails before the wait for weights
   store, sub = wait_for_weights(paths(workdir)["weights"], name=f"sampler-{port}")
-  cfg = _model_config_of(store, sub.version)
-  tok = ByteTokenizer()
+  cfg, info = _model_config_of(store, sub.version)
+  check_tokenizer(tok, cfg, info.get("tokenizer"), part="sampler", tokenizer_dir=tokenizer_dir)
   engine = Engine.from_flat(sub.weights, cfg, version=sub.version, tokenizer=tok,
                             config=EngineConfig(max_slots=max_slots, max_len=max_len,
                                                 eos_token_ids=(tok.eos_id,)))
@@ -206,23 +289,30 @@ def run_sampler(workdir: str, *, port: int, max_slots: int = 64, max_len: int = 
     engine.stop()
 
 
-def _model_config_of(store, version: int) -> ModelConfig:
+def _model_config_of(store, version: int) -> tuple[ModelConfig, dict]:
+  """(model config, manifest info) of a published version."""
   from moe import checkpoint as moe_checkpoint  # pylint: disable=g-import-not-at-top
   from sync import publisher as publisher_lib  # pylint: disable=g-import-not-at-top
   info = publisher_lib.read_manifest(store, version).info
   if "model_config" not in info:
     raise ValueError("the published manifest carries no model_config")
-  return moe_checkpoint.config_from_json(info["model_config"])
+  return moe_checkpoint.config_from_json(info["model_config"]), info
 
 
 def run_controller(workdir: str, sampler_urls: Sequence[str], config: PipelineConfig, *,
                    steps: int, pool_size: int = 8, num_tasks: Optional[int] = None,
-                   tasks: Optional[Sequence] = None, loop_config=None) -> int:
+                   tasks: Optional[Sequence] = None, loop_config=None,
+                   tokenizer_dir: Optional[str] = None) -> int:
   """Produces the groups of `steps` learner steps through the samplers; returns groups written.
 
   `tasks`: the train tasks (default: the single-turn suite's train split, its first `num_tasks`);
   multi-turn repository tasks run as agent episodes with `loop_config`
   (envs.harness.agent_loop.LoopConfig), exactly as in the in-process pipeline.
+
+  `tokenizer_dir`: the model's tokenizer (`load_tokenizer`; None: bytes), which encodes the
+  prompts and observations sent to the samplers (their HTTP clients and the rollout
+  controller). When the learner has published weights, it is checked against the model config
+  and tokenizer their manifest names (`check_tokenizer`, TokenizerError) before any episode.
 
   A restarted controller resumes at the first group not on disk, with the task the seeded
   order gives that group (RolloutController.resume checks the written records against that
@@ -237,7 +327,16 @@ def run_controller(workdir: str, sampler_urls: Sequence[str], config: PipelineCo
   from pipeline.local import group_sink  # pylint: disable=g-import-not-at-top
   from rl import trajectory_io  # pylint: disable=g-import-not-at-top
   from envs.harness import agent_loop  # pylint: disable=g-import-not-at-top
+  from sync import publisher as publisher_lib  # pylint: disable=g-import-not-at-top
+  from sync import store as store_lib  # pylint: disable=g-import-not-at-top
   p = paths(workdir)
+  tok = load_tokenizer(tokenizer_dir)
+  store = store_lib.Store(p["weights"])
+  latest = publisher_lib.read_index(store).latest
+  if latest is not None:
+    cfg, info = _model_config_of(store, latest)
+    check_tokenizer(tok, cfg, info.get("tokenizer"), part="controller",
+                    tokenizer_dir=tokenizer_dir)
   if tasks is None:
     tasks = suite_pyfunc.split(suite_pyfunc.generate(), "train")
   tasks = list(tasks)[:num_tasks]
@@ -249,7 +348,7 @@ def run_controller(workdir: str, sampler_urls: Sequence[str], config: PipelineCo
         raise ValueError(f"trajectory shard {name} has a corrupt record")
       written.append(rec["group_id"])
   sampler_set = samplers_lib.SamplerSet(
-      [samplers_lib.HttpSampler(u, name=u) for u in sampler_urls],
+      [samplers_lib.HttpSampler(u, name=u, tokenizer=tok) for u in sampler_urls],
       max_attempts=config.max_request_attempts, max_lag=config.max_staleness)
   writer = trajectory_io.TrajectoryWriter(p["trajectories"], f"controller-{int(time.time())}",
                                           records_per_shard=config.attempts)
@@ -260,6 +359,7 @@ def run_controller(workdir: str, sampler_urls: Sequence[str], config: PipelineCo
     ctl = controller_lib.RolloutController(
         tasks, sampler_set, pool, group_sink(writer), config=config,
         sink_path=p["trajectories"], loop_config=loop_config or agent_loop.LoopConfig(),
+        tokenizer=tok,
         on_group=lambda g: print(f"group {g.index} {g.task_id} rewards {g.rewards}", flush=True))
     start = ctl.resume(written)
     if start:

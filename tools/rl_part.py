@@ -1,13 +1,28 @@
 """One part of the asynchronous RL pipeline as its own process (see pipeline/processes.py).
 
   bazel run //tools:rl_part -- learner --workdir=/tmp/rl --steps=60 [--init_checkpoint=DIR]
-  bazel run //tools:rl_part -- sampler --workdir=/tmp/rl --port=8101
-  bazel run //tools:rl_part -- controller --workdir=/tmp/rl --steps=60 \
+  bazel run //tools:rl_part -- sampler --workdir=/tmp/rl --port=8101 [--tokenizer=DIR]
+  bazel run //tools:rl_part -- controller --workdir=/tmp/rl --steps=60 [--tokenizer=DIR] \
       --samplers=http://127.0.0.1:8101,http://127.0.0.1:8102
+
+A model the agentic experiment pre-trained speaks a byte-level BPE saved beside it, so every
+part names it (all three the same; rl_part refuses to start on a mismatch):
+  bazel run //tools:rl_part -- learner --workdir=/tmp/rl \
+      --gin_file=tools/configs/experiments/agent.gin --init_checkpoint=RUN/pretrained_model
+  bazel run //tools:rl_part -- sampler --workdir=/tmp/rl --port=8101 \
+      --gin_file=tools/configs/experiments/agent.gin --tokenizer=RUN/pretrained_model
+  bazel run //tools:rl_part -- controller --workdir=/tmp/rl --samplers=http://127.0.0.1:8101 \
+      --gin_file=tools/configs/experiments/agent.gin --tokenizer=RUN/pretrained_model
+
+`--tokenizer=DIR`: a directory holding tokenizer.json (a model directory); it must be there.
+Without the flag the learner takes the one saved beside `--init_checkpoint` (bytes if there is
+none) and the sampler and controller take bytes.
 
 Pipeline settings (shared by learner and controller) come from gin: `--gin_file` (default
 tools/configs/experiments/default.gin, whose model and PipelineConfig are used) and `--gin.X=V`.
 Under the launcher (//tools:launch), `--samplers=@sampler_0,@sampler_1` resolves job names.
+A tokenizer that does not fit (pipeline.processes.TokenizerError) or a controller whose
+trajectories cannot be written stops with `error: ...` on stderr and a nonzero exit status.
 """
 
 from __future__ import annotations
@@ -27,6 +42,9 @@ def main(argv=None) -> int:
   p.add_argument("--init_checkpoint", default=None)
   p.add_argument("--port", type=int, default=0)
   p.add_argument("--samplers", default="", help="comma-separated sampler URLs or @job names")
+  p.add_argument("--tokenizer", default=None, metavar="DIR",
+                 help="directory holding the model's tokenizer.json (default: the learner's "
+                      "--init_checkpoint's if it has one, else bytes)")
   from tools import configs  # pylint: disable=g-import-not-at-top
   args, files, bindings = configs.parse_flags(p, sys.argv[1:] if argv is None else argv)
   logging.basicConfig(level=logging.WARNING)
@@ -37,16 +55,27 @@ def main(argv=None) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 2
   steps = args.steps if args.steps is not None else cfg.rl.steps
+  try:
+    return _run_part(p, args, cfg, steps)
+  except processes.TokenizerError as e:  # the operator's to fix: which tokenizer, which model
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+
+
+def _run_part(parser: argparse.ArgumentParser, args, cfg, steps: int) -> int:
+  """Runs the part `args.part` names with the experiment `cfg`; its exit status."""
+  from pipeline import processes  # pylint: disable=g-import-not-at-top
   if args.part == "learner":
     processes.run_learner(args.workdir, cfg.model, cfg.rl.pipeline, cfg.rl.learner, steps=steps,
-                          init_checkpoint=args.init_checkpoint, seed=cfg.seed)
+                          init_checkpoint=args.init_checkpoint, seed=cfg.seed,
+                          tokenizer_dir=args.tokenizer)
   elif args.part == "sampler":
     port = args.port
     if not port:
       from launch import discovery  # pylint: disable=g-import-not-at-top
       port = discovery.my_port()
     processes.run_sampler(args.workdir, port=port, max_slots=cfg.rl.sampler_slots,
-                          max_len=cfg.model.max_seq_len)
+                          max_len=cfg.model.max_seq_len, tokenizer_dir=args.tokenizer)
   else:
     urls = []
     for s in filter(None, args.samplers.split(",")):
@@ -55,7 +84,7 @@ def main(argv=None) -> int:
         s = "http://" + discovery.address_of(s[1:])
       urls.append(s)
     if not urls:
-      p.error("the controller needs --samplers")
+      parser.error("the controller needs --samplers")
     from experiment import run as run_lib  # pylint: disable=g-import-not-at-top
     from pipeline import controller  # pylint: disable=g-import-not-at-top
     # The experiment's train tasks (its suite: single-turn functions, or repository tasks run
@@ -64,7 +93,8 @@ def main(argv=None) -> int:
     try:
       processes.run_controller(args.workdir, urls, cfg.rl.pipeline, steps=steps,
                                pool_size=cfg.sandbox_pool, tasks=train,
-                               loop_config=cfg.agent.loop_config(cfg.rl.pipeline.max_new_tokens))
+                               loop_config=cfg.agent.loop_config(cfg.rl.pipeline.max_new_tokens),
+                               tokenizer_dir=args.tokenizer)
     except controller.WriteFailed as e:  # a clear stop, not a traceback: the operator's to fix
       print(f"error: {e}", file=sys.stderr)
       return 1
