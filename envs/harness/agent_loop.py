@@ -152,18 +152,26 @@ def run_episode(task: task_format.Task, policy: policy_lib.Policy, *, pool: pool
   summary_prompt = policy.encode(toolcall.render_message("user", config.summary_request) +
                                  f"{toolcall.IM_START}assistant\n")
   reserve, turn_slack = _budget(policy.encode, config)
-  omitted = policy.encode(toolcall.render_responses([_OMITTED]))
+
+  # The assistant header that opens a model turn after tool output is added when that turn is
+  # taken, not with the output: a context that summarises instead goes straight from the tool
+  # responses to the summary request, with no empty assistant turn left open between them.
+  header = policy.encode(toolcall.ASSISTANT_HEADER)
+  omitted = policy.encode(toolcall.render_responses([_OMITTED], generation_prompt=False))
+
+  def responses(observations):
+    return policy.encode(toolcall.render_responses(observations, generation_prompt=False))
 
   def observation_tokens(seg, observations):
-    """Observations as tokens, clipped so the context keeps room for the summary."""
-    room = config.max_context_tokens - reserve - len(seg)
-    ids = policy.encode(toolcall.render_responses(observations))
+    """Observations as tokens, clipped so the context keeps room for the summary (and the
+    header of the next turn)."""
+    room = config.max_context_tokens - reserve - len(seg) - len(header)
+    ids = responses(observations)
     limit = max(len(o) for o in observations)
     while len(ids) > room and limit > 64:
       limit //= 2
-      clipped = [o if len(o) <= limit else o[:limit] + "\n...[clipped to fit the context]"
-                 for o in observations]
-      ids = policy.encode(toolcall.render_responses(clipped))
+      ids = responses([o if len(o) <= limit else o[:limit] + "\n...[clipped to fit the context]"
+                       for o in observations])
     if len(ids) > room:  # not even 64 characters fit: say so (the next turn will summarise)
       ids = omitted
     return ids
@@ -189,9 +197,10 @@ def run_episode(task: task_format.Task, policy: policy_lib.Policy, *, pool: pool
   segments[0].add_text_tokens(initial)
   finish = "max_turns"
   try:
+    open_header = False  # the context ends in tool output: the next turn opens with `header`
     while state["turns"] < max_turns:
       seg = segments[-1]
-      if not fits_a_turn(len(seg)):
+      if not fits_a_turn(len(seg) + (len(header) if open_header else 0)):
         if state["summaries"] >= config.max_summaries or not any(seg.model_mask):
           # Out of summaries, or a fresh context (instructions + summary) with no room for a
           # turn: summarising again would only grow it.
@@ -207,7 +216,11 @@ def run_episode(task: task_format.Task, policy: policy_lib.Policy, *, pool: pool
         fresh.add_text_tokens(policy.start_ids() + policy.encode(initial_prompt(
             f"{task.instructions}\n\nSummary of your progress so far:\n{summary}", config)))
         segments.append(fresh)
+        open_header = False
         continue
+      if open_header:
+        seg.add_text_tokens(header)
+        open_header = False
       comp = generate(seg, config.max_tokens_per_turn, toolcall.STOP)
       state["turns"] += 1
       close_turn(seg, comp)
@@ -237,6 +250,7 @@ def run_episode(task: task_format.Task, policy: policy_lib.Policy, *, pool: pool
         finish = "submitted"
         break
       seg.add_text_tokens(observation_tokens(seg, observations))
+      open_header = True
     final_files, _ = sb.slot.read_files()
   except _Budget as b:
     finish = b.reason

@@ -139,6 +139,13 @@ def test_self_summarisation_starts_fresh_context(pool):
   assert model0.endswith("SUMMARY: mean uses // ; fix it.<|im_end|>")
   text1 = TOK.decode(second.token_ids)
   assert text1.startswith("<|im_start|>system") and "SUMMARY: mean uses" in text1
+  # Every assistant header opens a model turn: the tool output goes straight to the summary
+  # request, with no empty assistant turn left open before it.
+  text0 = TOK.decode(first.token_ids)
+  assert "</tool_response><|im_end|>\n<|im_start|>user\n" + agent_loop.SUMMARY_REQUEST in text0
+  for text in (text0, text1):
+    assert text.count("<|im_start|>assistant\n") == text.count("<|im_end|>") - text.count(
+        "<|im_start|>user") - text.count("<|im_start|>system"), text
   assert len(first) <= cfg.max_context_tokens
   assert metrics.summarize([tr])["summarised_episodes"] == 1
 

@@ -120,10 +120,13 @@ def initial_prompt(instructions: str,
           render_message("user", instructions) + f"{IM_START}assistant\n")
 
 
-def render_responses(observations: list[str]) -> str:
-  """Tool responses as the next user turn, then the assistant header."""
+ASSISTANT_HEADER = f"{IM_START}assistant\n"
+
+
+def render_responses(observations: list[str], *, generation_prompt: bool = True) -> str:
+  """Tool responses as the next user turn, then (generation_prompt) the assistant header."""
   body = "\n".join(f"<tool_response>\n{o}\n</tool_response>" for o in observations)
-  return render_message("user", body) + f"{IM_START}assistant\n"
+  return render_message("user", body) + (ASSISTANT_HEADER if generation_prompt else "")
 
 
 def parse(text: str) -> ParsedTurn:
