@@ -56,12 +56,15 @@ def write_corpus(docs: list, directory: str) -> list:
 def _engine_config(cfg: ExperimentConfig, slots: int) -> EngineConfig:
   if cfg.suite == "pyfunc":
     return EngineConfig(max_slots=slots, max_len=cfg.model.max_seq_len, decode_steps=16)
-  # Agent contexts are long and of every length: coarse buckets (decode attends over a quarter
-  # window more at most, prompts are padded to at least a sixteenth) keep the set of shapes
-  # the engine compiles small, which on a CPU costs seconds each.
+  # Agent turns come in every prompt length, batch size and cached-prefix length: left to
+  # pick the smallest shape for each call, the engine compiles a program for nearly every
+  # combination (seconds each on a CPU; they dominated a multi-turn evaluation). Deterministic
+  # mode runs every call at the engine's full shapes (all slots, the whole cache, the full
+  # block table), so only the prompt-length buckets compile, and sampling depends on the seed
+  # alone.
   window = cfg.model.max_seq_len
-  return EngineConfig(max_slots=slots, max_len=window, decode_steps=16,
-                      length_bucket=max(64, window // 4), min_prefill_len=max(16, window // 16))
+  return EngineConfig(max_slots=slots, max_len=window, decode_steps=16, deterministic=True,
+                      min_prefill_len=max(16, window // 16))
 
 
 def _save_model(model, tokenizer, directory: str) -> None:
