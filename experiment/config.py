@@ -28,6 +28,9 @@ class PretrainConfig:
       transcript (repository suite), so the model learns to summarise itself.
     capacity_factor: expert capacity during pre-training (drops are harmless there and save
       compute on the CPU); RL uses the model config's (dropless by default).
+    model_turns_only: in agent transcripts, train only the model's turns (tool calls, fixes,
+      summaries), as supervised fine-tuning on agent trajectories does; the system prompt,
+      instructions and tool output are context. False trains every token.
   """
   steps: int = 400
   batch_rows: int = 32
@@ -40,6 +43,7 @@ class PretrainConfig:
   corpus_repeats: int = 3
   transcript_summarised_share: float = 0.25
   capacity_factor: Optional[float] = 2.0
+  model_turns_only: bool = True
 
   def __post_init__(self):
     if self.steps < 0 or self.batch_rows < 1 or self.seq_len < 8 or self.learning_rate <= 0:

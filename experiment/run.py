@@ -173,7 +173,8 @@ def pretrain(cfg: ExperimentConfig, run_dir: str, all_tasks, mesh, *,
            f"{about['median_segment_tokens']:.0f} tokens) in {time.time() - t0:.0f}s")
     files = write_corpus(docs, os.path.join(run_dir, "corpus"))
     trainer = Trainer(pre, pretrain_data.pretrain_dataset(
-        files, seq_len=p.seq_len, batch_rows=p.batch_rows, seed=cfg.seed, tokenizer=tokenizer))
+        files, seq_len=p.seq_len, batch_rows=p.batch_rows, seed=cfg.seed, tokenizer=tokenizer,
+        trained_spans=toolcall.assistant_spans if p.model_turns_only else None))
     if rep is not None:
       rep.start_phase("pretrain", p.steps)
     for _ in range(p.steps):

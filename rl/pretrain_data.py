@@ -34,25 +34,37 @@ def corpus_files(root: str, extensions: Sequence[str] = CODE_EXTENSIONS) -> list
 
 class _Encode(grain.transforms.Map):
 
-  def __init__(self, tokenizer):
+  def __init__(self, tokenizer, trained_spans=None):
     self.tokenizer = tokenizer
+    self.trained_spans = trained_spans
 
   def map(self, path: str) -> dict:
     with open(path, "rb") as f:
       text = f.read().decode("utf-8", errors="replace")
-    ids = self.tokenizer.encode(text, bos=True, eos=True)
-    return {"tokens": np.asarray(ids, np.int32)}
+    pieces = self.trained_spans(text) if self.trained_spans is not None else None
+    if pieces is None:
+      ids = self.tokenizer.encode(text, bos=True, eos=True)
+      return {"tokens": np.asarray(ids, np.int32), "trained": np.ones(len(ids), np.int32)}
+    tok = self.tokenizer
+    ids, trained = [tok.bos_id], [0]
+    for piece, train in pieces:
+      enc = tok.encode(piece)
+      ids += enc
+      trained += [int(train)] * len(enc)
+    ids.append(tok.eos_id)
+    trained.append(0)
+    return {"tokens": np.asarray(ids, np.int32), "trained": np.asarray(trained, np.int32)}
 
 
 def _to_batch(packed: dict) -> dict:
   seg = packed["tokens_segment_ids"]
   return {"tokens": packed["tokens"], "positions": packed["tokens_positions"],
-          "segment_ids": seg, "loss_mask": (seg > 0).astype(np.int32)}
+          "segment_ids": seg, "loss_mask": ((seg > 0) & (packed["trained"] > 0)).astype(np.int32)}
 
 
 def pretrain_dataset(files: Sequence[str], *, seq_len: int, batch_rows: int, seed: int = 0,
                      shuffle: bool = True, num_epochs: Optional[int] = None,
-                     tokenizer=None) -> grain.IterDataset:
+                     tokenizer=None, trained_spans=None) -> grain.IterDataset:
   """Batches of {tokens, positions, segment_ids, loss_mask} [batch_rows, seq_len] from `files`.
 
   Args:
@@ -63,6 +75,12 @@ def pretrain_dataset(files: Sequence[str], *, seq_len: int, batch_rows: int, see
     shuffle: shuffle file order (differently every epoch).
     num_epochs: passes over the files (None: forever).
     tokenizer: anything with encode(text, bos=, eos=); the byte tokenizer by default.
+    trained_spans: which tokens of a document are trained: text -> [(piece, trained)] whose
+      pieces concatenate to the text (each piece encoded on its own), or None to train the
+      whole document. Agent transcripts train only the model's turns, as supervised
+      fine-tuning on agent trajectories does: the system prompt, tool output and
+      instructions stay context (they are not the model's to predict, and a held-out task's
+      files cannot be guessed), and the model's capacity goes to its actions.
   """
   if not files:
     raise ValueError("pretrain_dataset needs at least one file")
@@ -70,7 +88,7 @@ def pretrain_dataset(files: Sequence[str], *, seq_len: int, batch_rows: int, see
   if shuffle:
     ds = ds.shuffle(seed=seed)
   ds = ds.repeat(num_epochs)
-  ds = ds.map(_Encode(tokenizer or ByteTokenizer()))
+  ds = ds.map(_Encode(tokenizer or ByteTokenizer(), trained_spans))
   it = grain_exp.ConcatThenSplitIterDataset(ds.to_iter_dataset(),
-                                            length_struct={"tokens": seq_len})
+                                            length_struct={"tokens": seq_len, "trained": seq_len})
   return it.batch(batch_rows, drop_remainder=True).map(_to_batch)

@@ -36,6 +36,32 @@ def test_packed_rows_cover_the_corpus(tmp_path):
   assert first[0] == tok.bos_id and b["positions"][0][0] == 0
 
 
+def test_trained_spans_mask_what_is_context(tmp_path):
+  """Only the pieces trained_spans marks are trained; the tokens are the whole text's."""
+  (tmp_path / "conv.txt").write_text("ASK: what? SAY: yes. ASK: and? SAY: no.")
+  (tmp_path / "code.py").write_text("x = 1\n")
+
+  def spans(text):
+    if not text.startswith("ASK"):
+      return None  # not a conversation: every token trained
+    return [(p, p.startswith("SAY")) for p in text.replace("SAY", "|SAY").replace(
+        "ASK", "|ASK").split("|") if p]
+
+  tok = ByteTokenizer()
+  ds = pretrain_data.pretrain_dataset([str(tmp_path / "conv.txt"), str(tmp_path / "code.py")],
+                                      seq_len=64, batch_rows=1, num_epochs=1, shuffle=False,
+                                      trained_spans=spans)
+  b = next(iter(ds))
+  toks, mask = b["tokens"][0], b["loss_mask"][0]
+  n_conv = len(tok.encode("ASK: what? SAY: yes. ASK: and? SAY: no.", bos=True, eos=True))
+  conv = tok.decode(toks[:n_conv])
+  assert conv == "ASK: what? SAY: yes. ASK: and? SAY: no."
+  trained = tok.decode([t for t, m in zip(toks[:n_conv], mask[:n_conv]) if m])
+  assert trained == "SAY: yes. SAY: no."
+  code = toks[n_conv:n_conv + len(tok.encode("x = 1\n", bos=True, eos=True))]
+  assert tok.decode(code) == "x = 1\n" and mask[n_conv:n_conv + len(code)].all()
+
+
 def test_state_round_trip(tmp_path):
   files = _corpus(tmp_path)
 

@@ -121,6 +121,28 @@ def initial_prompt(instructions: str,
 
 
 ASSISTANT_HEADER = f"{IM_START}assistant\n"
+_NOT_A_TURN = r"(?:(?!" + re.escape(IM_START) + r").)"
+# An assistant turn's content: up to its <|im_end|> (or the end of the text), never into the
+# next message (a header left open is no turn).
+_ASSISTANT_TURN_RE = re.compile(re.escape(ASSISTANT_HEADER) + f"({_NOT_A_TURN}*?" +
+                                re.escape(IM_END) + f"|{_NOT_A_TURN}*$)", re.S)
+
+
+def assistant_spans(text: str) -> list[tuple[str, bool]] | None:
+  """`text` (a rendered conversation) as [(piece, is the model's)], pieces in order: each
+  assistant turn's content through its closing <|im_end|> is the model's, the rest (headers,
+  system, user and tool turns) is not. None when the text is no conversation."""
+  if not text.startswith(IM_START):
+    return None
+  out, at = [], 0
+  for m in _ASSISTANT_TURN_RE.finditer(text):
+    out.append((text[at:m.start(1)], False))
+    if m.group(1):
+      out.append((m.group(1), True))
+    at = m.end(1)
+  if at < len(text):
+    out.append((text[at:], False))
+  return [p for p in out if p[0]]
 
 
 def render_responses(observations: list[str], *, generation_prompt: bool = True) -> str:

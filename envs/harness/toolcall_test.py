@@ -39,5 +39,21 @@ def test_subset_prompt_refuses_unknown_empty_or_repeated_names(bad):
     toolcall.system_prompt(bad)
 
 
+def test_assistant_spans_mark_the_model_turns():
+  text = (toolcall.initial_prompt("Fix it.") + '<tool_call>\n{"name":"submit"}\n</tool_call>'
+          "<|im_end|>\n" + toolcall.render_responses(["ok"], generation_prompt=False) +
+          "<|im_start|>user\nSummarise.<|im_end|>\n<|im_start|>assistant\nDone: x.<|im_end|>")
+  spans = toolcall.assistant_spans(text)
+  assert "".join(p for p, _ in spans) == text
+  assert [p for p, m in spans if m] == [
+      '<tool_call>\n{"name":"submit"}\n</tool_call><|im_end|>', "Done: x.<|im_end|>"]
+  # A header left open is no turn; an unfinished last turn is the model's.
+  assert not any(m for _, m in toolcall.assistant_spans(
+      "<|im_start|>assistant\n<|im_start|>user\nhi<|im_end|>\n"))
+  assert toolcall.assistant_spans("<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\nhal"
+                                  )[-1] == ("hal", True)
+  assert toolcall.assistant_spans("def f():\n  pass\n") is None
+
+
 if __name__ == "__main__":
   sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))

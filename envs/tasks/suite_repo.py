@@ -149,7 +149,9 @@ def _const(rng: random.Random):
   read_cfg = _step("read_file", {"path": f"{cfg}.py"}, fix["old"], f"{cfg}.py has {k} = {old}")
   meta = _meta(
       "const", (cfg, k, fn, mod, old, new), fix,
-      direct=[_step("read_file", {"path": test}, f"assert {fn}({probe}) == {new}",
+      # The instructions name the config file, not the module or its test: list them first.
+      direct=[_step("list_files", {}, test, f"the test is {test}"),
+              _step("read_file", {"path": test}, f"assert {fn}({probe}) == {new}",
                     f"{test} wants {fn}({probe}) == {new}"), read_cfg],
       tests_first=[_step("run_tests", {}, f"== {new}, {fn}({probe})\n  AssertionError: {old}",
                          f"{fn}({probe}) is {old}, tests want {new}")],

@@ -70,6 +70,24 @@ def test_tasks_are_tiny():
     assert {s["tool"] for s in steps} <= set(suite_repo.TOOLS)
 
 
+def test_oracle_plans_use_only_what_the_agent_can_know():
+  """A plan opens only files the instructions name (or their tests, test_<name>.py), unless an
+  earlier step listed the files or ran the tests: the transcripts must not teach the model to
+  guess file names it was never shown."""
+  for t in TASKS:
+    words = set(t.instructions.replace(",", " ").split())
+    named = {w.rstrip(".") for w in words if ".py" in w} | {w.split(".")[0] + ".py" for w in words}
+    knowable = named | {"test_" + n for n in named}
+    for k in ("direct", "tests_first", "wrong_first"):
+      shown = False
+      for step in t.metadata[k] or []:
+        if step["tool"] in ("list_files", "run_tests"):
+          shown = True
+        path = step["args"].get("path")
+        if path and not shown:
+          assert path in knowable, (t.task_id, k, path, t.instructions)
+
+
 def test_oracle_fix_passes_hidden_tests_untouched_and_wrong_fail(pool):
   for t in TASKS:
     fixed = reward.grade(t, suite_repo.solved_files(t), pool=pool)
