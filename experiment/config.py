@@ -28,6 +28,10 @@ class PretrainConfig:
       transcript (repository suite), so the model learns to summarise itself.
     capacity_factor: expert capacity during pre-training (drops are harmless there and save
       compute on the CPU); RL uses the model config's (dropless by default).
+    random_name_tasks: repository suite: also transcripts of this many tasks per template whose
+      every file, function and constant name is made up (envs.tasks.suite_repo.generate(
+      names="random")), so that names can only be copied from the context, not recalled: the
+      model learns to copy them (the suite's 238 train tasks alone are memorised instead).
     model_turns_only: in agent transcripts, train only the model's turns (tool calls, fixes,
       summaries), as supervised fine-tuning on agent trajectories does; the system prompt,
       instructions and tool output are context. False trains every token.
@@ -44,6 +48,7 @@ class PretrainConfig:
   transcript_summarised_share: float = 0.25
   capacity_factor: Optional[float] = 2.0
   model_turns_only: bool = True
+  random_name_tasks: int = 0
 
   def __post_init__(self):
     if self.steps < 0 or self.batch_rows < 1 or self.seq_len < 8 or self.learning_rate <= 0:

@@ -96,7 +96,9 @@ def corpus(cfg: ExperimentConfig, all_tasks, pool, tokenizer=None, *,
   episodes run by the harness with the RL run's loop settings and `tokenizer`, the model's,
   since the context window is counted in its tokens: envs.tasks.transcripts), so the model
   learns the tool-call format, reading test output, fixing and summarising before RL.
-  `tasks_share` k > 1 runs transcripts of every k-th train task only (the tokenizer's sample).
+  With pretrain.random_name_tasks, transcripts of made-up-name tasks join them (no held-out
+  task's names). `tasks_share` k > 1 runs transcripts of every k-th task only (the tokenizer's
+  sample).
   Held-out (and validation) tasks never appear.
   """
   p = cfg.pretrain
@@ -109,7 +111,11 @@ def corpus(cfg: ExperimentConfig, all_tasks, pool, tokenizer=None, *,
   # The oracle takes the turns its plan needs (the task's limit), whatever RL's turn cap.
   loop = dataclasses.replace(cfg.agent.loop_config(cfg.rl.pipeline.max_new_tokens),
                              max_turns=None)
-  sources_ = [t for t in all_tasks if t.split == "train"][::tasks_share]
+  sources_ = [t for t in all_tasks if t.split == "train"]
+  if p.random_name_tasks:
+    sources_ += suite_repo.generate(seed=cfg.seed + 1, per_template=p.random_name_tasks,
+                                    names="random")
+  sources_ = sources_[::tasks_share]
   records = []
   for r in range(p.corpus_repeats):
     records += transcripts_lib.transcript_records(

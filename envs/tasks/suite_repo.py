@@ -32,8 +32,11 @@ train split, while every name and template does.
 
 from __future__ import annotations
 
+import builtins
 import hashlib
+import keyword
 import random
+import sys
 from typing import Callable
 
 from envs.tasks import task_format
@@ -91,6 +94,52 @@ def _typo(name: str, rng: random.Random, avoid) -> str:
   return rng.choice(options)
 
 
+_SYLLABLES = ("ba", "ko", "ri", "mu", "te", "zo", "la", "pi", "ne", "su", "da", "vo", "gi", "fa",
+              "ru", "ho", "me", "ti", "no", "ka")
+NAMES = ("standard", "random")
+
+
+class _Names:
+  """Where a template's file, function and constant names come from.
+
+  "standard": the suite's fixed lists (every held-out task's names appear in train tasks).
+  "random": a fresh made-up word for each (two or three syllables), so the only way to get a
+  name right is to copy it from the instructions or a tool's output, never to recall it: an
+  augmentation for pre-training transcripts, which teaches the model to copy names from its
+  context rather than memorise the train tasks'. Standard mode draws exactly what
+  `rng.choice` / `rng.sample` over the lists draw, so the suite itself does not change.
+  """
+
+  def __init__(self, mode: str):
+    if mode not in NAMES:
+      raise ValueError(f"names must be one of {NAMES}, got {mode!r}")
+    self.random = mode == "random"
+
+  def _word(self, rng: random.Random, upper: bool, avoid) -> str:
+    while True:
+      w = "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 3)))
+      w = w.upper() if upper else w
+      low = w.lower()
+      # Never a name Python already means something by (a module named `time` shadows none:
+      # `from time import f` finds the standard library's).
+      if (w not in avoid and low not in _HELPERS and not keyword.iskeyword(low)
+          and low not in sys.stdlib_module_names and not hasattr(builtins, low)):
+        return w
+
+  def pick(self, rng: random.Random, names, avoid=()) -> str:
+    if not self.random:
+      return rng.choice([n for n in names if n not in avoid] if avoid else names)
+    return self._word(rng, names[0].isupper(), set(avoid))
+
+  def sample(self, rng: random.Random, names, k: int) -> list:
+    if not self.random:
+      return rng.sample(names, k)
+    out: list = []
+    while len(out) < k:
+      out.append(self._word(rng, names[0].isupper(), set(out)))
+    return out
+
+
 def _test_file(mod: str, fn: str, cases: list[tuple[str, int]], name: str) -> str:
   """A test function asserting each call's value; the message is the value it got."""
   body = "".join(f"    assert {c} == {want}, {c}\n" for c, want in cases)
@@ -124,11 +173,12 @@ def _meta(template: str, key: tuple, fix: dict, *, direct: list, tests_first: li
           "shows": shows}
 
 
-def _const(rng: random.Random):
+def _const(rng: random.Random, names: _Names):
   kind = rng.choice(sorted(_CONST_KINDS))
   fns, body, f, probe = _CONST_KINDS[kind]
-  mod, cfg, k, fn = rng.choice(_MODS), rng.choice(_CFGS), rng.choice(_CONSTS), rng.choice(fns)
-  other = rng.choice([c for c in _CONSTS if c != k])
+  mod, cfg, k, fn = (names.pick(rng, _MODS), names.pick(rng, _CFGS), names.pick(rng, _CONSTS),
+                     names.pick(rng, fns))
+  other = names.pick(rng, _CONSTS, avoid=(k,))
   new = rng.randint(2, 60)
   old = rng.choice([v for v in range(2, 61) if v != new])
   other_v = rng.choice([v for v in range(2, 61) if v not in (new, old)])
@@ -164,8 +214,8 @@ def _const(rng: random.Random):
   return instructions, files, {f"test_{mod}_full.py": hidden}, [test], meta
 
 
-def _helper(rng: random.Random):
-  mod, util, fn = rng.choice(_MODS), rng.choice(_UTILS), rng.choice(_FNS)
+def _helper(rng: random.Random, names: _Names):
+  mod, util, fn = names.pick(rng, _MODS), names.pick(rng, _UTILS), names.pick(rng, _FNS)
   right, decoy = rng.sample(sorted(_HELPERS), 2)
   typo = _typo(right, rng, _HELPERS)
   r_f, d_f = _HELPERS[right][1], _HELPERS[decoy][1]
@@ -196,8 +246,8 @@ def _helper(rng: random.Random):
   return instructions, files, {f"test_{mod}_full.py": hidden}, [test], meta
 
 
-def _op(rng: random.Random):
-  mod, fn = rng.choice(_MODS), rng.choice(_OP_FNS)
+def _op(rng: random.Random, names: _Names):
+  mod, fn = names.pick(rng, _MODS), names.pick(rng, _OP_FNS)
   right, bad = rng.sample(sorted(_OPS), 2)
   third = next(o for o in sorted(_OPS) if o not in (right, bad))
 
@@ -233,9 +283,9 @@ def _op(rng: random.Random):
   return instructions, files, {f"test_{mod}_full.py": hidden}, [test], meta
 
 
-def _imports(rng: random.Random):
-  mod, fn = rng.choice(_MODS), rng.choice(_FNS)
-  lib, decoy = rng.sample(_UTILS, 2)
+def _imports(rng: random.Random, names: _Names):
+  mod, fn = names.pick(rng, _MODS), names.pick(rng, _FNS)
+  lib, decoy = names.sample(rng, _UTILS, 2)
   missing = _typo(lib, rng, _UTILS)  # So the listing shows which module was meant.
   h, other = rng.sample(sorted(_HELPERS), 2)
   h_f = _HELPERS[h][1]
@@ -264,8 +314,8 @@ def _imports(rng: random.Random):
   return instructions, files, {f"test_{mod}_full.py": hidden}, [test], meta
 
 
-def _rename(rng: random.Random):
-  mod, h = rng.choice(_MODS), rng.choice(sorted(_HELPERS))
+def _rename(rng: random.Random, names: _Names):
+  mod, h = names.pick(rng, _MODS), rng.choice(sorted(_HELPERS))
   typo = _typo(h, rng, _HELPERS)
   h_f = _HELPERS[h][1]
   x = rng.randint(2, 11)
@@ -291,13 +341,19 @@ _BUILDERS = {"const": _const, "helper": _helper, "op": _op, "imports": _imports,
              "rename": _rename}
 
 
-def generate(seed: int = 0, per_template: int = 80) -> list[task_format.Task]:
+def generate(seed: int = 0, per_template: int = 80, names: str = "standard"
+             ) -> list[task_format.Task]:
   """The suite: `per_template` tasks of each template, ids `repo-<template>-<n>`.
+
+  names="random" makes up every file, function and constant name (`_Names`): tasks for
+  pre-training transcripts only, ids `repo-random-<template>-<n>`, all in the train split (they
+  are no benchmark: none of their names, repositories or fixes is the suite's).
 
   Deterministic in `seed`. No two tasks share a combination (`metadata["key"]`), a visible
   test assertion or a fix, and the split is a function of the combination, so a held-out task's
   repository, failing test and fix never appear in the train split.
   """
+  namer = _Names(names)
   tasks = []
   used_fixes: set[tuple] = set()
   used_asserts: set[str] = set()
@@ -309,7 +365,7 @@ def generate(seed: int = 0, per_template: int = 80) -> list[task_format.Task]:
       tries += 1
       if tries > per_template * 50:
         raise ValueError(f"template {template}: only {n} distinct tasks; lower per_template")
-      instructions, files, hidden, visible, meta = _BUILDERS[template](rng)
+      instructions, files, hidden, visible, meta = _BUILDERS[template](rng, namer)
       if not _edits_apply(files, meta):
         continue
       key = tuple(meta["key"])
@@ -321,8 +377,10 @@ def generate(seed: int = 0, per_template: int = 80) -> list[task_format.Task]:
       used_fixes.add(fix)
       used_asserts.update(asserts)
       split = "test" if _stable_hash(template, *key) < _TEST_SHARE else "train"
+      if namer.random:
+        split = "train"
       tasks.append(task_format.from_dict({
-          "task_id": f"{SUITE}-{template}-{n:03d}",
+          "task_id": f"{SUITE}-{'random-' if namer.random else ''}{template}-{n:03d}",
           "instructions": instructions,
           "files": files,
           "hidden_tests": hidden,

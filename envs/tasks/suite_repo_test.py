@@ -70,11 +70,35 @@ def test_tasks_are_tiny():
     assert {s["tool"] for s in steps} <= set(suite_repo.TOOLS)
 
 
+RANDOM = suite_repo.generate(seed=1, per_template=12, names="random")
+
+
+def test_random_names_are_made_up_and_the_suite_unchanged():
+  """Made-up-name tasks (pre-training only) share no file name with the suite and are all
+  train; the suite's own names still come from its lists (standard mode draws as before)."""
+  assert len(RANDOM) == 60 and all(t.split == "train" for t in RANDOM)
+  assert all(t.task_id.startswith("repo-random-") for t in RANDOM)
+  suite_files = {n for t in TASKS for n in t.files}
+  random_files = {n for t in RANDOM for n in t.files}
+  assert not random_files & suite_files
+  assert len(random_files) > 100  # fresh names, not a small list
+  assert {t.task_id for t in TASKS} == {t.task_id for t in suite_repo.generate()}
+  assert TASKS[0].files == suite_repo.generate()[0].files
+  consts = [t for t in RANDOM if t.metadata["template"] == "const"]
+  assert all(t.metadata["fix"]["old"].split(" = ")[0].isupper() for t in consts)
+  with pytest.raises(ValueError, match="names must be one of"):
+    suite_repo.generate(names="greek")
+  # No made-up module is one Python already has (`from time import f` finds the stdlib's).
+  many = {n[:-3] for t in suite_repo.generate(seed=1, per_template=100, names="random")
+          for n in t.files}
+  assert len(many) > 1000 and not many & set(sys.stdlib_module_names)
+
+
 def test_oracle_plans_use_only_what_the_agent_can_know():
   """A plan opens only files the instructions name (or their tests, test_<name>.py), unless an
   earlier step listed the files or ran the tests: the transcripts must not teach the model to
   guess file names it was never shown."""
-  for t in TASKS:
+  for t in TASKS + RANDOM:
     words = set(t.instructions.replace(",", " ").split())
     named = {w.rstrip(".") for w in words if ".py" in w} | {w.split(".")[0] + ".py" for w in words}
     knowable = named | {"test_" + n for n in named}
@@ -89,7 +113,7 @@ def test_oracle_plans_use_only_what_the_agent_can_know():
 
 
 def test_oracle_fix_passes_hidden_tests_untouched_and_wrong_fail(pool):
-  for t in TASKS:
+  for t in TASKS + RANDOM[::3]:
     fixed = reward.grade(t, suite_repo.solved_files(t), pool=pool)
     assert (fixed.status, fixed.reward) == ("ok", 1.0), (t.task_id, fixed.detail,
                                                          fixed.outcomes)
