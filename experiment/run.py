@@ -130,8 +130,8 @@ def corpus(cfg: ExperimentConfig, all_tasks, pool, tokenizer=None, *,
 
 def make_tokenizer(cfg: ExperimentConfig, all_tasks, pool):
   """The model's tokenizer: bytes, or (cfg.tokenizer == "bpe") byte-level BPE trained on a
-  sample of the pre-training corpus (every code snippet, a third of the train tasks'
-  transcripts rendered in bytes), the chat template's tags one token each."""
+  sample of the pre-training corpus (every code snippet, the transcripts of every third
+  task, rendered in bytes), the chat template's tags one token each."""
   if cfg.tokenizer == "bytes":
     return ByteTokenizer()
   # The sample is rendered in bytes: the loop's budgets, counted in the BPE's tokens, are
