@@ -113,12 +113,14 @@ def load_tokenizer(tokenizer_dir: Optional[str]):
   from moe import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
   if tokenizer_dir is None:
     return tokenizer_lib.ByteTokenizer()
-  path = os.path.join(tokenizer_dir, tokenizer_lib.TOKENIZER_FILE)
-  if not os.path.isfile(path):
+  try:
+    return tokenizer_lib.BPETokenizer.load(tokenizer_dir)
+  except FileNotFoundError:
+    path = os.path.join(tokenizer_dir, tokenizer_lib.TOKENIZER_FILE)
     raise TokenizerError(f"no {tokenizer_lib.TOKENIZER_FILE} in the tokenizer directory "
                          f"{tokenizer_dir} (expected {path}); name the directory a model was "
-                         "saved in with its tokenizer, or leave the tokenizer out for bytes")
-  return tokenizer_lib.load(tokenizer_dir)
+                         "saved in with its tokenizer, or leave the tokenizer out for bytes"
+                         ) from None
 
 
 def tokenizer_info(tok) -> dict:
