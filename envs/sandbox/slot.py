@@ -27,6 +27,10 @@ zygote, inside the sandbox's view.
 
 from __future__ import annotations
 
+# Imported before any slot spawns (see slot_fork_hooks_test): it registers paired at-fork hooks on
+# first import, and a spawn with a preexec_fn runs those hooks; a pair registered mid-spawn would
+# get an unmatched release that breaks a concurrent executor's submit.
+import concurrent.futures.thread  # pylint: disable=unused-import
 import dataclasses
 import itertools
 import json
