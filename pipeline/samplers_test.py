@@ -2,9 +2,8 @@
 a server that goes away is routed around, and a request a server refuses is neither retried nor
 masked: the controller stops on it with the server's reason."""
 
-import asyncio
+import contextlib
 import sys
-import threading
 
 import pytest
 
@@ -15,38 +14,26 @@ from moe.tokenizer import ByteTokenizer
 from pipeline import controller as controller_lib
 from pipeline import samplers as samplers_lib
 from pipeline import testing
-from rollout import server as server_lib
+from rollout import testing as rollout_testing
 from rollout.engine import Engine
 from rollout.sampling import SamplingParams
 
 
-class _LiveServer:
-  """A rollout Server on its own event-loop thread."""
-
-  def __init__(self, tokenizer):
-    flat = moe_params.flatten(build.create(testing.MODEL, seed=0))
-    self.engine = Engine.from_flat(flat, testing.MODEL, tokenizer=tokenizer,
-                                   config=testing.ENGINE)
-    self.loop = asyncio.new_event_loop()
-    self.server = server_lib.Server(self.engine)
-    threading.Thread(target=self.loop.run_forever, daemon=True).start()
-    port, _ = asyncio.run_coroutine_threadsafe(
-        self.server.start("127.0.0.1", 0, None), self.loop).result(60)
-    self.url = f"http://127.0.0.1:{port}"
-
-  def close(self):
-    if self.loop.is_running():
-      asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(60)
-      self.loop.call_soon_threadsafe(self.loop.stop)
-    self.engine.stop()
-
-
 @pytest.fixture
 def servers():
-  made = []
-  yield lambda tokenizer=ByteTokenizer(): made.append(_LiveServer(tokenizer)) or made[-1]
-  for s in made:
-    s.close()
+  """Makes live servers, each over a fresh tiny engine; at the end closes each server, then
+  stops its engine."""
+  with contextlib.ExitStack() as cleanup:
+
+    def make(tokenizer=ByteTokenizer()):
+      flat = moe_params.flatten(build.create(testing.MODEL, seed=0))
+      engine = Engine.from_flat(flat, testing.MODEL, tokenizer=tokenizer, config=testing.ENGINE)
+      cleanup.callback(engine.stop)
+      live = rollout_testing.LiveServer(engine)
+      cleanup.callback(live.close)
+      return live
+
+    yield make
 
 
 def test_requests_complete_and_a_dead_server_is_routed_around(servers):

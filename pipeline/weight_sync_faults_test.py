@@ -8,7 +8,6 @@ requests). Faults are placed deterministically: a delta is damaged as it is writ
 keeps the good bytes' hash), the index is torn by writing half of it over the file.
 """
 
-import asyncio
 import json
 import os
 import signal
@@ -28,7 +27,7 @@ from moe import params as moe_params
 from moe.tokenizer import ByteTokenizer
 from pipeline import local
 from pipeline import testing
-from rollout import server as server_lib
+from rollout import testing as rollout_testing
 from rollout.engine import Engine
 from sync import manifest as manifest_lib
 from sync import publisher as publisher_lib
@@ -140,27 +139,12 @@ def test_in_process_sampler_gets_past_a_damaged_delta_and_a_torn_index(tmp_path)
     channel.publisher.close()
 
 
-class _LiveServer:
-  """A rollout Server on its own event loop thread, on a free port."""
-
-  def __init__(self, engine, **kw):
-    self.loop = asyncio.new_event_loop()
-    self.server = server_lib.Server(engine, **kw)
-    threading.Thread(target=self.loop.run_forever, daemon=True).start()
-    self.port, _ = asyncio.run_coroutine_threadsafe(
-        self.server.start("127.0.0.1", 0, None), self.loop).result(60)
-
-  def close(self):
-    asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(60)
-    self.loop.call_soon_threadsafe(self.loop.stop)
-
-
 def test_health_is_503_while_the_sampler_is_stale_beyond_the_bound(tmp_path):
   work, channel = _workdir_channel(tmp_path)
   ws = _versions(3)
   channel.publish(ws[0], 0)
   s = _InProcessSampler(channel, ws[0], request_snapshot=False)
-  live = _LiveServer(s.engine, health_checks=[
+  live = rollout_testing.LiveServer(s.engine, health_checks=[
       lambda: s.sub.health_problem(max_behind_versions=1, max_stale_s=0.0)])
   try:
     assert _health(live.port)[0] == 200

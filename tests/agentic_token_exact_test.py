@@ -18,10 +18,8 @@ fills, and ends. Half-way through, the weights are swapped (same values, a new v
 two turns, so the episode spans two policy versions.
 """
 
-import asyncio
 import dataclasses
 import sys
-import threading
 
 import numpy as np
 import pytest
@@ -36,31 +34,12 @@ from moe.tokenizer import ByteTokenizer
 from pipeline import episodes as episodes_lib
 from pipeline import sampler_policy
 from pipeline import samplers as samplers_lib
-from rollout import server as server_lib
 from rollout import testing
 from rollout.engine import Engine, EngineConfig
 
 WAIT_S = 120
 START_VERSION = 3
 MAX_LEN = 2048
-
-
-class _LiveServer:
-  """A `rollout.server.Server` on its own event-loop thread, bound to a free port."""
-
-  def __init__(self, engine):
-    self.loop = asyncio.new_event_loop()
-    self.server = server_lib.Server(engine, model_name="tiny", request_timeout=WAIT_S)
-    self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-    self.thread.start()
-    self.port, _ = asyncio.run_coroutine_threadsafe(
-        self.server.start("127.0.0.1", 0, None), self.loop).result(WAIT_S)
-
-  def close(self):
-    asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(WAIT_S)
-    self.loop.call_soon_threadsafe(self.loop.stop)
-    self.thread.join(WAIT_S)
-    assert not self.thread.is_alive(), "the server's loop thread did not stop"
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +49,7 @@ def setup():
   cfg = EngineConfig(max_slots=4, max_len=MAX_LEN, decode_steps=4, max_queue=16,
                      deterministic=True, eos_token_ids=(tok.eos_id,))
   engine = Engine(model, config=cfg, tokenizer=tok, version=START_VERSION)
-  live = _LiveServer(engine)
+  live = testing.LiveServer(engine, timeout_s=WAIT_S, model_name="tiny", request_timeout=WAIT_S)
   pool = pool_lib.WarmPool(size=2)
   yield engine, tok, live, pool
   pool.close()
@@ -96,7 +75,7 @@ def _recording(sampler, on_response):
 def test_the_learner_trains_exactly_what_the_server_saw_and_wrote(setup):
   engine, tok, live, pool = setup
   task = suite_swe.generate()[0]
-  sampler = samplers_lib.HttpSampler(f"http://127.0.0.1:{live.port}", tokenizer=tok)
+  sampler = samplers_lib.HttpSampler(live.url, tokenizer=tok)
 
   def swap_after(i):
     if i == 2:  # between the second and the third request: the episode spans two versions

@@ -11,9 +11,7 @@ A policy that misparses the response (routing transposed or dropped, logprobs sh
 version ignored, choices out of order, a stop string appended twice) fails these tests.
 """
 
-import asyncio
 import sys
-import threading
 
 import numpy as np
 import pytest
@@ -23,7 +21,6 @@ from envs.harness import single_turn
 from envs.sandbox import pool as pool_lib
 from envs.tasks import suite_pyfunc
 from moe import params as moe_params
-from rollout import server as server_lib
 from rollout import testing
 from rollout import tokenizers
 from rollout.engine import Engine, EngineConfig
@@ -31,24 +28,6 @@ from rollout.engine import Engine, EngineConfig
 START_VERSION = 7
 PROMPT = [72, 105]  # "Hi"
 WAIT_S = 120  # bound on every wait for the server's loop thread
-
-
-class _LiveServer:
-  """A `rollout.server.Server` on its own event-loop thread, bound to a free port."""
-
-  def __init__(self, engine):
-    self.loop = asyncio.new_event_loop()
-    self.server = server_lib.Server(engine, model_name="tiny", request_timeout=WAIT_S)
-    self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-    self.thread.start()
-    self.port, _ = asyncio.run_coroutine_threadsafe(
-        self.server.start("127.0.0.1", 0, None), self.loop).result(WAIT_S)
-
-  def close(self):
-    asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(WAIT_S)
-    self.loop.call_soon_threadsafe(self.loop.stop)
-    self.thread.join(WAIT_S)
-    assert not self.thread.is_alive(), "the server's loop thread did not stop"
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +43,8 @@ def engine():
 
 @pytest.fixture(scope="module")
 def policy(engine):
-  live = _LiveServer(engine)
-  yield openai_policy.OpenAIPolicy(f"http://127.0.0.1:{live.port}", "tiny", engine.tokenizer,
-                                   timeout_s=WAIT_S)
+  live = testing.LiveServer(engine, timeout_s=WAIT_S, model_name="tiny", request_timeout=WAIT_S)
+  yield openai_policy.OpenAIPolicy(live.url, "tiny", engine.tokenizer, timeout_s=WAIT_S)
   live.close()
 
 
