@@ -11,7 +11,6 @@ import os
 import socket
 import stat
 import sys
-import threading
 
 import numpy as np
 import pytest
@@ -24,25 +23,9 @@ from rollout import testing
 WAIT_S = 120  # generous under load; every wait fails loudly when it runs out
 
 
-class _Live:
-  """A Server on its own event loop thread (public app on a free port, admin on another)."""
-
-  def __init__(self, engine, admin_host="127.0.0.1", **kw):
-    self.loop = asyncio.new_event_loop()
-    self.server = server_lib.Server(engine, **kw)
-    self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-    self.thread.start()
-    self.port, self.admin_port = asyncio.run_coroutine_threadsafe(
-        self.server.start("127.0.0.1", 0, 0, admin_host), self.loop).result(WAIT_S)
-    self.token = self.server.admin.token
-
-  def close(self):
-    asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(WAIT_S)
-    self.loop.call_soon_threadsafe(self.loop.stop)
-    self.thread.join(WAIT_S)
-
-  def auth(self, **more):
-    return {"Authorization": f"Bearer {self.token}", **more}
+def _live(engine, **kw):
+  """A LiveServer with the admin app, its waits bounded by WAIT_S."""
+  return testing.LiveServer(engine, admin=True, timeout_s=WAIT_S, **kw)
 
 
 def _request(port, method, path, body=None, headers=None):
@@ -59,7 +42,7 @@ def _request(port, method, path, body=None, headers=None):
 def _swap(live, body, headers=None):
   return _request(live.admin_port, "POST", "/admin/swap", json.dumps(body).encode(),
                   headers if headers is not None else
-                  live.auth(**{"Content-Type": "application/json"}))
+                  live.admin_auth(**{"Content-Type": "application/json"}))
 
 
 def _message(out):
@@ -92,7 +75,7 @@ def live(engine, root, tmp_path_factory):
   token_file = tmp_path_factory.mktemp("secret") / "admin_token"
   token_file.write_text("stale\n")
   os.chmod(token_file, 0o644)  # an old, readable file: must come back 0600 with the new token
-  srv = _Live(engine, admin_token_file=str(token_file), checkpoint_root=str(root),
+  srv = _live(engine, admin_token_file=str(token_file), checkpoint_root=str(root),
               load_flat=lambda p: loading.load_flat(p, engine.model_config))
   srv.token_file = token_file
   yield srv
@@ -109,10 +92,10 @@ def test_swaps_by_delta_and_by_checkpoint(live, root):
   octet = {"Content-Type": "application/octet-stream"}
   status, _ = _request(live.admin_port, "POST", url, blob, octet)
   assert status == 401  # no token
-  status, out = _request(live.admin_port, "POST", url, blob[:-5], live.auth(**octet))
+  status, out = _request(live.admin_port, "POST", url, blob[:-5], live.admin_auth(**octet))
   assert status == 400 and "delta" in _message(out)
   v = eng.version + 1
-  status, out = _request(live.admin_port, "POST", url, blob, live.auth(**octet))
+  status, out = _request(live.admin_port, "POST", url, blob, live.admin_auth(**octet))
   assert status == 200 and out["version"] == v and eng.version == v
   status, out = _request(live.port, "POST", "/v1/completions",
                          json.dumps({"prompt": [3, 4], "max_tokens": 2}).encode(),
@@ -125,20 +108,20 @@ def test_swaps_by_delta_and_by_checkpoint(live, root):
     np.testing.assert_array_equal(eng.current_flat()[k], base[k])
   status, out = _swap(live, {"checkpoint": str(root / "ckpt"), "version": v + 2})
   assert status == 200 and eng.version == v + 2
-  status, _ = _request(live.admin_port, "GET", "/admin/status", headers=live.auth())
+  status, _ = _request(live.admin_port, "GET", "/admin/status", headers=live.admin_auth())
   assert status == 200
 
 
 def test_generated_token_is_required_and_written_0600(live):
-  assert live.server.admin.token_generated and len(live.token) >= 32
-  assert live.token_file.read_text().strip() == live.token
+  assert live.server.admin.token_generated and len(live.admin_token) >= 32
+  assert live.token_file.read_text().strip() == live.admin_token
   assert stat.S_IMODE(os.stat(live.token_file).st_mode) == 0o600
-  for headers in ({}, {"Authorization": "Bearer stale"}, {"Authorization": live.token},
-                  {"Authorization": f"Bearer {live.token}x"},
+  for headers in ({}, {"Authorization": "Bearer stale"}, {"Authorization": live.admin_token},
+                  {"Authorization": f"Bearer {live.admin_token}x"},
                   {"Authorization": "Bearer \u00e9t\u00e9"}):
     status, out = _request(live.admin_port, "GET", "/admin/status", headers=headers)
     assert status == 401 and out["error"]["type"] == "authentication_error", headers
-  assert _request(live.admin_port, "GET", "/admin/status", headers=live.auth())[0] == 200
+  assert _request(live.admin_port, "GET", "/admin/status", headers=live.admin_auth())[0] == 200
   assert "in " + str(live.token_file) in live.server.admin.token_notice()
   # Without a file the generated token is what the start-up line shows; "" is no token.
   other = admin_lib.Admin(live.server.engine, token="")
@@ -161,23 +144,23 @@ def test_foreign_host_or_origin_is_refused(live):
                   {"Host": "127.0.0.1"}):
     status, out = _request(p, "POST", "/admin/swap",
                            json.dumps({"checkpoint": "ckpt", "version": v + 1}).encode(),
-                           live.auth(**{"Content-Type": "text/plain"}, **headers))
+                           live.admin_auth(**{"Content-Type": "text/plain"}, **headers))
     assert status == 403 and out["error"]["type"] == "forbidden", headers
   assert eng.version == v
   for headers in ({"Host": f"localhost:{p}"}, {"Host": f"[::1]:{p}"},
                   {"Host": f"LOCALHOST:{p}", "Origin": f"http://localhost:{p}"},
                   {"Origin": f"http://127.0.0.1:{p}"}):
-    assert _request(p, "GET", "/admin/status", headers=live.auth(**headers))[0] == 200, headers
+    assert _request(p, "GET", "/admin/status", headers=live.admin_auth(**headers))[0] == 200, headers
 
 
 def test_host_check_when_bound_to_all_interfaces(engine):
-  live = _Live(engine, admin_host="0.0.0.0", admin_allowed_hosts=["sampler-3.cluster"])
+  live = _live(engine, admin_host="0.0.0.0", admin_allowed_hosts=["sampler-3.cluster"])
   try:
     p = live.admin_port
     for host in (f"127.0.0.1:{p}", f"10.1.2.3:{p}", f"sampler-3.cluster:{p}"):
-      assert _request(p, "GET", "/admin/status", headers=live.auth(Host=host))[0] == 200, host
+      assert _request(p, "GET", "/admin/status", headers=live.admin_auth(Host=host))[0] == 200, host
     for host in (f"evil.example:{p}", f"sampler-3.cluster:{p + 1}"):
-      assert _request(p, "GET", "/admin/status", headers=live.auth(Host=host))[0] == 403, host
+      assert _request(p, "GET", "/admin/status", headers=live.admin_auth(Host=host))[0] == 403, host
   finally:
     live.close()
 
@@ -200,14 +183,14 @@ def test_wrong_content_types_are_refused(live):
   body = json.dumps({"checkpoint": "ckpt", "version": 1}).encode()
   for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
                 None):
-    headers = live.auth(**({"Content-Type": ctype} if ctype else {}))
+    headers = live.admin_auth(**({"Content-Type": ctype} if ctype else {}))
     status, out = _request(p, "POST", "/admin/swap", body, headers)
     assert status == 415 and "application/json" in _message(out), ctype
     status, out = _request(p, "POST", "/admin/swap_delta?version=1", b"x" * 10, headers)
     assert status == 415 and "application/octet-stream" in _message(out), ctype
   # Parameters such as a charset are fine: the request reaches validation.
   status, out = _swap(live, {"version": 1, "x": 2},
-                      live.auth(**{"Content-Type": "application/json; charset=utf-8"}))
+                      live.admin_auth(**{"Content-Type": "application/json; charset=utf-8"}))
   assert status == 400 and "body must be" in _message(out)
 
 
@@ -227,28 +210,28 @@ def test_body_limit_fits_a_delta_and_long_bodies_are_refused_unread(live):
   with socket.create_connection(("127.0.0.1", live.admin_port), timeout=WAIT_S) as s:
     s.sendall((f"POST /admin/swap_delta?version={eng.version + 1} HTTP/1.1\r\n"
                f"Host: 127.0.0.1:{live.admin_port}\r\n"
-               f"Authorization: Bearer {live.token}\r\n"
+               f"Authorization: Bearer {live.admin_token}\r\n"
                "Content-Type: application/octet-stream\r\n"
                f"Content-Length: {limit + 1}\r\n\r\n").encode())
     head = s.recv(4096).decode("latin-1")
   assert head.startswith("HTTP/1.1 413"), head
   with socket.create_connection(("127.0.0.1", live.admin_port), timeout=WAIT_S) as s:
     s.sendall((f"POST /admin/swap HTTP/1.1\r\nHost: 127.0.0.1:{live.admin_port}\r\n"
-               f"Authorization: Bearer {live.token}\r\nContent-Type: application/json\r\n"
+               f"Authorization: Bearer {live.admin_token}\r\nContent-Type: application/json\r\n"
                f"Content-Length: {admin_lib.MAX_SWAP_JSON_BYTES + 1}\r\n\r\n").encode())
     head = s.recv(4096).decode("latin-1")
   assert head.startswith("HTTP/1.1 413"), head
 
 
 def test_chunked_body_over_the_limit_is_cut_off(engine):
-  live = _Live(engine, admin_token="t0ken", max_delta_bytes=1000)
+  live = _live(engine, admin_token="t0ken", max_delta_bytes=1000)
   try:
     def chunks():
       for _ in range(100):
         yield b"x" * 100
     v = engine.version
     status, out = _request(live.admin_port, "POST", f"/admin/swap_delta?version={v + 1}",
-                           chunks(), live.auth(**{"Content-Type": "application/octet-stream"}))
+                           chunks(), live.admin_auth(**{"Content-Type": "application/octet-stream"}))
     assert status == 413 and "1000" in _message(out) and engine.version == v
   finally:
     live.close()
@@ -265,14 +248,14 @@ def test_versions_outside_0_to_2_63_are_400s_naming_version(live, version):
   if isinstance(version, str):
     q = version.encode("utf-8").decode("latin-1") if version.isascii() else "%C2%B2"
     status, out = _request(live.admin_port, "POST", f"/admin/swap_delta?version={q}", b"x",
-                           live.auth(**{"Content-Type": "application/octet-stream"}))
+                           live.admin_auth(**{"Content-Type": "application/octet-stream"}))
     assert status == 400 and "'version'" in _message(out), out
   assert eng.version == v
 
 
 def test_hostile_json_bodies_are_400s(live):
   v = live.server.engine.version
-  headers = live.auth(**{"Content-Type": "application/json"})
+  headers = live.admin_auth(**{"Content-Type": "application/json"})
   for raw in (b"[" * 20_000 + b"]" * 20_000, b'{"version": ' + b"7" * 5000 + b"}",
               b"\xff\xfe", b"{"):
     status, out = _request(live.admin_port, "POST", "/admin/swap", raw, headers)
@@ -309,7 +292,7 @@ def test_checkpoints_outside_the_root_or_unloadable_reveal_nothing(live, root, t
 
 def test_swaps_by_path_are_off_without_a_root(engine, root):
   from rollout import loading
-  live = _Live(engine, load_flat=lambda p: loading.load_flat(p, engine.model_config))
+  live = _live(engine, load_flat=lambda p: loading.load_flat(p, engine.model_config))
   try:
     status, out = _swap(live, {"checkpoint": str(root / "ckpt"), "version": engine.version + 1})
     assert status == 403 and "--checkpoint_root" in _message(out)

@@ -15,7 +15,6 @@ entry left behind.
 
 from __future__ import annotations
 
-import asyncio
 import http.client
 import json
 import os
@@ -23,14 +22,12 @@ import random
 import re
 import socket
 import sys
-import threading
 
 import numpy as np
 import pytest
 
 from moe import hf
 from rollout import loading
-from rollout import server as server_lib
 from rollout import testing
 from rollout.engine import EngineConfig
 from testlib import waiting
@@ -64,21 +61,6 @@ JUNK = ["{}", "[]", "\"x\"", "true", "false", "null", "[[]]", "{\"a\": 1}", "\"\
 _VALID_VERSIONS = {"0", "1", "2147483647", "2147483648", "4294967296"}
 
 
-class _Live:
-  """A Server on its own event-loop thread, bound to free ports."""
-
-  def __init__(self, engine, **kw):
-    self.loop = asyncio.new_event_loop()
-    self.server = server_lib.Server(engine, **kw)
-    threading.Thread(target=self.loop.run_forever, daemon=True).start()
-    self.port, self.admin_port = asyncio.run_coroutine_threadsafe(
-        self.server.start("127.0.0.1", 0, 0), self.loop).result(60)
-
-  def close(self):
-    asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(60)
-    self.loop.call_soon_threadsafe(self.loop.stop)
-
-
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
   good = tmp_path_factory.mktemp("good")
@@ -97,9 +79,9 @@ def live(ckpts):
   engine = loading.load_engine(EngineConfig(max_slots=4, max_len=64, decode_steps=4,
                                             max_queue=16),
                                hf_checkpoint=ckpts[0], max_seq_len=64)
-  srv = _Live(engine, model_name="tiny", request_timeout=30.0, admin_token=TOKEN,
-              checkpoint_root=os.path.dirname(ckpts[0]),
-              load_flat=lambda p: loading.load_flat(p, engine.model_config))
+  srv = testing.LiveServer(engine, admin=True, model_name="tiny", request_timeout=30.0,
+                           admin_token=TOKEN, checkpoint_root=os.path.dirname(ckpts[0]),
+                           load_flat=lambda p: loading.load_flat(p, engine.model_config))
   yield srv
   srv.close()
   engine.stop()

@@ -4,7 +4,6 @@ admin_test.py). The engine is built as `bazel run //tools:serve -- --hf_checkpoi
 (rollout.loading.load_engine).
 """
 
-import asyncio
 import http.client
 import json
 import sys
@@ -22,24 +21,6 @@ from rollout import testing
 from rollout.sampling import SamplingParams
 from testlib import waiting
 
-TOKEN = "s3cret"
-
-
-class _Live:
-  """A Server on its own event loop thread."""
-
-  def __init__(self, engine, **kw):
-    self.loop = asyncio.new_event_loop()
-    self.server = server_lib.Server(engine, admin_token=TOKEN, **kw)
-    threading.Thread(target=self.loop.run_forever, daemon=True).start()
-    self.port, self.admin_port = asyncio.run_coroutine_threadsafe(
-        self.server.start("127.0.0.1", 0, 0), self.loop).result(60)
-
-  def close(self):
-    asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(60)
-    self.loop.call_soon_threadsafe(self.loop.stop)
-
-
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
   d = tmp_path_factory.mktemp("hf")
@@ -53,8 +34,7 @@ def live(ckpt):
   from rollout.engine import EngineConfig
   engine = loading.load_engine(EngineConfig(max_slots=4, max_len=64, decode_steps=4, max_queue=4),
                                hf_checkpoint=ckpt, max_seq_len=64)
-  srv = _Live(engine, model_name="tiny", request_timeout=60.0,
-              load_flat=lambda p: loading.load_flat(p, engine.model_config))
+  srv = testing.LiveServer(engine, model_name="tiny", request_timeout=60.0)
   yield srv
   srv.close()
   engine.stop()
@@ -286,7 +266,7 @@ def test_usage_and_metrics_report_the_prefix_cache(ckpt):
   engine = loading.load_engine(
       EngineConfig(max_slots=4, max_len=64, decode_steps=4, prefix_cache_blocks=16,
                    prefix_block_size=4), hf_checkpoint=ckpt, max_seq_len=64)
-  srv = _Live(engine, model_name="tiny", request_timeout=60.0)
+  srv = testing.LiveServer(engine, model_name="tiny", request_timeout=60.0)
   try:
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.port}/v1", api_key="unused",
                            max_retries=0, timeout=120)
@@ -321,7 +301,7 @@ def test_health_reports_failing_checks(live):
   def broken():
     raise RuntimeError("boom")
 
-  other = _Live(live.server.engine, health_checks=[weights_fresh])
+  other = testing.LiveServer(live.server.engine, health_checks=[weights_fresh])
   try:
     url = f"http://127.0.0.1:{other.port}/health"
     with urllib.request.urlopen(url) as r:
@@ -333,7 +313,7 @@ def test_health_reports_failing_checks(live):
     assert json.loads(e.value.read())["problems"] == [state["problem"]]
   finally:
     other.close()
-  other = _Live(live.server.engine, health_checks=[broken])
+  other = testing.LiveServer(live.server.engine, health_checks=[broken])
   try:
     with pytest.raises(urllib.error.HTTPError) as e:
       urllib.request.urlopen(f"http://127.0.0.1:{other.port}/health")
@@ -421,7 +401,7 @@ def test_health_answers_while_a_prompt_is_tokenized(live):
     def decode(self, ids):
       return real.decode(ids)
 
-  other = _Live(live.server.engine)
+  other = testing.LiveServer(live.server.engine)
   other.server.tokenizer = Slow()
   out = {}
   sender = threading.Thread(target=lambda: out.update(r=_post(
@@ -497,7 +477,7 @@ def test_a_small_request_is_served_while_a_huge_one_runs(ckpt, monkeypatch):
   cap = 24
   eng = loading.load_engine(EngineConfig(max_slots=4, max_len=64, decode_steps=4, max_queue=64),
                             hf_checkpoint=ckpt, max_seq_len=64)
-  srv = _Live(eng, max_completions_per_request=cap)
+  srv = testing.LiveServer(eng, max_completions_per_request=cap)
   order, real_submit = [], eng.submit_batch
 
   def recording_submit(prompts, *a, **kw):

@@ -35,20 +35,26 @@ def tiny_model(seed: int = 0, **kw):
 
 class LiveServer:
   """A `rollout.server.Server` over `engine`, served from its own event-loop thread on a free
-  127.0.0.1 port (public app only, no admin app), for tests that talk HTTP to a real sampler.
+  127.0.0.1 port, and with `admin=True` its admin app too, on a second free port, for tests that
+  talk HTTP to a real sampler.
 
-  Why one helper: the tests of the clients of the server (samplers, policies, /health users)
-  all need the same start and stop, and both must be bounded: a start or a stop that does not
-  finish in `timeout_s` raises TimeoutError naming it, instead of hanging the test. `close` is
-  safe to call twice (a test may kill a server its fixture closes again) and does not stop the
-  engine, which the caller owns.
+  Why one helper: the tests of the server and of its clients (samplers, policies, /health users,
+  the admin app's tests) all need the same start and stop, and both must be bounded: a start or a
+  stop that does not finish in `timeout_s` raises TimeoutError naming it, instead of hanging the
+  test. `close` is safe to call twice (a test may kill a server its fixture closes again) and
+  does not stop the engine, which the caller owns.
 
-  Attributes: `engine`, `server`, `port`, `url` ("http://127.0.0.1:<port>").
+  Attributes: `engine`, `server`, `port`, `url` ("http://127.0.0.1:<port>"); with the admin app
+  also `admin_port`, `admin_url` and `admin_token` (the one given as `admin_token=`, or the one
+  the server generated), else these are None.
   """
 
-  def __init__(self, engine, *, timeout_s: float = 60.0, **server_kw):
-    """`server_kw` goes to `rollout.server.Server` (model_name, request_timeout, health_checks,
-    admin_token, ...)."""
+  def __init__(self, engine, *, admin: bool = False, admin_host: str = "127.0.0.1",
+               timeout_s: float = 60.0, **server_kw):
+    """`admin_host`: where the admin app listens (as `Server.start` takes it; "0.0.0.0" for a
+    test of the Host check on all interfaces). `server_kw` goes to `rollout.server.Server`
+    (model_name, request_timeout, health_checks, admin_token, admin_token_file,
+    checkpoint_root, ...)."""
     self.engine = engine
     self.timeout_s = timeout_s
     self.server = server_lib.Server(engine, **server_kw)
@@ -58,12 +64,33 @@ class LiveServer:
     self._thread.start()
     self._closed = False
     try:
-      self.port, _ = self._run(self.server.start("127.0.0.1", 0, None),
-                               "the rollout server to start listening")
+      self.port, self.admin_port = self._run(
+          self.server.start("127.0.0.1", 0, 0 if admin else None, admin_host),
+          "the rollout server to start listening")
     except BaseException:
-      self._stop_loop()
+      # A start that failed half way (the admin port refused after the public app listens)
+      # leaves runners behind: they are cleaned up, bounded, before the loop goes; the start's
+      # own error is the one raised.
+      try:
+        self._run(self.server.stop(), "the rollout server to stop after a failed start")
+      except Exception:  # noqa: BLE001 -- the start's error above is the one to report
+        pass
+      finally:
+        self._stop_loop()
       raise
     self.url = f"http://127.0.0.1:{self.port}"
+    self.admin_url = self.admin_token = None
+    if admin:
+      # An admin app on all interfaces is reached over loopback like one bound to it.
+      connect = "127.0.0.1" if admin_host in ("", "0.0.0.0", "::") else admin_host
+      self.admin_url = f"http://{connect}:{self.admin_port}"
+      self.admin_token = self.server.admin.token
+
+  def admin_auth(self, **headers) -> dict:
+    """`headers` with the admin app's `Authorization: Bearer <token>` added."""
+    if self.admin_token is None:
+      raise ValueError("this LiveServer serves no admin app: pass admin=True")
+    return {"Authorization": f"Bearer {self.admin_token}", **headers}
 
   def _run(self, coro, what: str):
     """Runs `coro` on the server's loop; its result, or TimeoutError after `timeout_s`."""

@@ -3,11 +3,9 @@ item 7): exit status 1, the trajectory directory and the error on stderr, no tra
 directory refuses every new file (tempfile.mkstemp raises PermissionError, as an unwritable
 directory does for a non-root user); the controller's retries are pipeline/controller_test.py's."""
 
-import asyncio
 import os
 import sys
 import tempfile
-import threading
 
 import pytest
 
@@ -17,7 +15,7 @@ from moe.tokenizer import ByteTokenizer
 from pipeline import processes
 from pipeline import testing
 from rl import trajectory_io
-from rollout import server as server_lib
+from rollout import testing as rollout_testing
 from rollout.engine import Engine
 from tools import rl_part
 
@@ -31,14 +29,12 @@ def sampler_url():
   """A real sampling server (rollout.server over a tiny engine) on 127.0.0.1."""
   engine = Engine.from_flat(moe_params.flatten(build.create(testing.MODEL, seed=0)),
                             testing.MODEL, tokenizer=ByteTokenizer(), config=testing.ENGINE)
-  loop = asyncio.new_event_loop()
-  srv = server_lib.Server(engine)
-  threading.Thread(target=loop.run_forever, daemon=True).start()
-  port, _ = asyncio.run_coroutine_threadsafe(srv.start("127.0.0.1", 0, None), loop).result(60)
-  yield f"http://127.0.0.1:{port}"
-  asyncio.run_coroutine_threadsafe(srv.stop(), loop).result(60)
-  loop.call_soon_threadsafe(loop.stop)
-  engine.stop()
+  try:
+    live = rollout_testing.LiveServer(engine)
+    yield live.url
+    live.close()
+  finally:
+    engine.stop()
 
 
 def test_a_persistent_write_error_exits_1_naming_the_path_and_the_error(
