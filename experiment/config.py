@@ -35,6 +35,11 @@ class PretrainConfig:
     model_turns_only: in agent transcripts, train only the model's turns (tool calls, fixes,
       summaries), as supervised fine-tuning on agent trajectories does; the system prompt,
       instructions and tool output are context. False trains every token.
+    probe_tasks / probe_every: repository suite: every `probe_every` steps (and at the end),
+      the teacher-forced probe (evaluation.teacher_forced) on oracle transcripts of this many
+      fresh made-up-name tasks per template (a seed no corpus task uses): the share of the
+      model's turns it reproduces exactly, per tool. An exact read or edit of a made-up name
+      means the model copied it from its context. 0 tasks: no probe.
   """
   steps: int = 400
   batch_rows: int = 32
@@ -49,10 +54,15 @@ class PretrainConfig:
   capacity_factor: Optional[float] = 2.0
   model_turns_only: bool = True
   random_name_tasks: int = 0
+  probe_tasks: int = 0
+  probe_every: int = 100
 
   def __post_init__(self):
     if self.steps < 0 or self.batch_rows < 1 or self.seq_len < 8 or self.learning_rate <= 0:
       raise ValueError("PretrainConfig: need steps >= 0, batch_rows >= 1, seq_len >= 8, lr > 0")
+    if self.probe_tasks < 0 or self.probe_every < 1:
+      raise ValueError("PretrainConfig: need probe_tasks >= 0 and probe_every >= 1, got "
+                       f"{self.probe_tasks} and {self.probe_every}")
 
   def learner_config(self) -> LearnerConfig:
     """The pre-training learner: next-token loss, AdamW with cosine decay over `steps`."""

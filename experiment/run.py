@@ -24,6 +24,7 @@ from envs.tasks import suite_pyfunc
 from envs.tasks import suite_repo
 from envs.tasks import transcripts as transcripts_lib
 from evaluation import evaluate as evaluate_lib
+from evaluation import teacher_forced
 from experiment import reporting
 from experiment import splits
 from experiment.config import ExperimentConfig
@@ -181,18 +182,51 @@ def pretrain(cfg: ExperimentConfig, run_dir: str, all_tasks, mesh, *,
     trainer = Trainer(pre, pretrain_data.pretrain_dataset(
         files, seq_len=p.seq_len, batch_rows=p.batch_rows, seed=cfg.seed, tokenizer=tokenizer,
         trained_spans=toolcall.assistant_spans if p.model_turns_only else None))
+    probe = copy_probe(cfg, pool, tokenizer) if p.probe_tasks and cfg.suite == "repo" else None
     if rep is not None:
       rep.start_phase("pretrain", p.steps)
-    for _ in range(p.steps):
+    for i in range(1, p.steps + 1):
       m = trainer.step()
+      if probe is not None and (i % p.probe_every == 0 or i == p.steps):
+        result = probe(pre.model())
+        m = {**m, **{f"probe_{k}": ok / n for k, (ok, n) in result.items()}}
       if rep is not None:
         rep.log("pretrain", pre.step, m)
     if rep is not None:
       rep.end_phase()
     echo(f"pre-training: {p.steps} steps on {len(docs)} documents in {time.time() - t0:.0f}s, "
          f"final loss {m['loss']:.3f}")
+    if probe is not None:
+      with open(os.path.join(run_dir, "copy_probe.json"), "w", encoding="utf-8") as f:
+        json.dump({k: {"exact": ok, "turns": n} for k, (ok, n) in result.items()}, f, indent=1)
+      echo(f"copy probe (teacher-forced model turns, {p.probe_tasks * len(suite_repo.TEMPLATES)}"
+           f" made-up-name tasks): {teacher_forced.summary(result)}")
   # The RL model is dropless (the config's capacity), the pre-training one may drop: same weights.
   return nnx.merge(nnx.graphdef(build.abstract(cfg.model)), nnx.state(pre.model()))
+
+
+def copy_probe(cfg: ExperimentConfig, pool, tokenizer):
+  """The pre-training probe (PretrainConfig.probe_tasks): model -> {label: (exact, turns)} over
+  the oracle transcripts (direct plan where it succeeds) of fresh made-up-name tasks (seed + 2; the corpus's
+  made-up-name tasks use seed + 1, and the suite's names are never made up), in rows of the
+  pre-training length."""
+  p = cfg.pretrain
+  tasks = suite_repo.generate(seed=cfg.seed + 2, per_template=p.probe_tasks, names="random")
+  loop = dataclasses.replace(cfg.agent.loop_config(cfg.rl.pipeline.max_new_tokens),
+                             max_turns=None)
+  docs = []
+  for t in tasks:  # The direct plan, else another that succeeds under this loop config.
+    try:
+      docs += [d for r in transcripts_lib.transcript_records(
+          [t], pool, loop_config=loop, tokenizer=tokenizer, seed=cfg.seed, mix={"direct": 1.0},
+          summarised_share=0.0) for d in r.documents]
+    except transcripts_lib.OracleError as e:
+      log.info("copy probe: %s left out (%s)", t.task_id, e)
+  if not docs:
+    raise ValueError("copy probe: no probe task has an oracle transcript under this config")
+  rows = teacher_forced.rows(docs, tokenizer, p.seq_len)
+  return lambda model: teacher_forced.exact_turns(teacher_forced.greedy_predictor(model), rows,
+                                                  batch_rows=p.batch_rows)
 
 
 def make_rl_learner(cfg: ExperimentConfig, model, mesh) -> learner_lib.Learner:
@@ -386,6 +420,10 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
       "final_model": os.path.join(run_dir, "final_model"),
       "rl": rl_totals,
   }
+  probe_path = os.path.join(run_dir, "copy_probe.json")  # written by pretrain (probe_tasks)
+  if os.path.exists(probe_path):
+    with open(probe_path, encoding="utf-8") as f:
+      summary["copy_probe"] = json.load(f)
   rows = []
   if evaluate:
     summary["before"] = {"passed": b_pass, "samples": b_total, "pass_at_k": before.pass_at_k,

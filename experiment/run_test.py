@@ -135,7 +135,8 @@ def test_agentic_experiment_end_to_end(tmp_path):
   cfg = ExperimentConfig(
       model=TINY.replace(max_seq_len=512),
       pretrain=PretrainConfig(steps=2, batch_rows=2, seq_len=256, corpus_snippets=10,
-                              corpus_repeats=1, transcript_summarised_share=1.0),
+                              corpus_repeats=1, transcript_summarised_share=1.0,
+                              probe_tasks=1, probe_every=1),
       rl=RLConfig(steps=1, sampler_slots=8, pipeline=PipelineConfig(
           max_staleness=1, prompts_per_step=2, attempts=2, max_new_tokens=48, seq_len=368,
           batch_rows=8, grade_workers=2)),
@@ -155,6 +156,12 @@ def test_agentic_experiment_end_to_end(tmp_path):
   assert corpus["documents"] == corpus["agent_documents"] + corpus["code_documents"]
   # Transcripts fit the window in the BPE's tokens, several bytes a token.
   assert corpus["max_segment_tokens"] <= 352 and corpus["median_segment_tokens"] > 0
+  # The copy probe ran at both pre-training steps, on the made-up-name tasks (one a template).
+  probe = json.load(open(tmp_path / "summary.json"))["copy_probe"]
+  assert probe["all"]["turns"] >= 10 and 0 <= probe["all"]["exact"] <= probe["all"]["turns"]
+  assert {"read_file", "edit_file", "submit"} <= set(probe), probe
+  logged = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+  assert [r["step"] for r in logged if r["phase"] == "pretrain" and "probe_all" in r] == [1, 2]
   rl = json.load(open(tmp_path / "summary.json"))["rl"]
   for key in ("episodes_trained", "mean_turns", "tool_calls_per_episode", "summarised_episodes",
               "hack_flagged", "zero_variance_groups", "prefix_cache_hit_rate", "feedback"):
