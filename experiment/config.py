@@ -203,6 +203,10 @@ class ExperimentConfig:
   # (moe.tokenizer.BPETokenizer, saved with the models); the model's vocab_size is set to it.
   tokenizer: str = "bytes"
   bpe_vocab_size: int = 2048
+  # A saved model directory (an earlier run's pretrained_model/, say) to start RL from: the
+  # tokenizer is the one saved beside it (tokenizer.json, else bytes), its config replaces
+  # `model`, and tokenizer training and pre-training are skipped. "": pre-train as configured.
+  pretrained_model: str = ""
 
   def __post_init__(self):
     if self.suite not in SUITES:

@@ -31,6 +31,7 @@ from experiment.config import ExperimentConfig
 from moe import build
 from moe import checkpoint as moe_checkpoint
 from moe import sharding
+from moe import tokenizer as tokenizer_lib
 from moe.tokenizer import BPETokenizer, ByteTokenizer
 from pipeline import local
 from pipeline import resources
@@ -300,17 +301,27 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
   try:
     # -- 0. the tokenizer (BPE: trained on a sample of the corpus; its size sets the vocabulary)
     t0 = time.time()
-    tok = make_tokenizer(cfg, all_tasks, pool)
-    cfg = with_tokenizer(cfg, tok)
+    if cfg.pretrained_model:  # Start from a saved model: no tokenizer training, no pre-training.
+      tok = tokenizer_lib.load(cfg.pretrained_model)
+      model = moe_checkpoint.load_model(cfg.pretrained_model)
+      cfg = dataclasses.replace(cfg, model=model.config)
+      echo(f"pre-trained model: {cfg.pretrained_model} ({type(tok).__name__}, "
+           f"{tok.vocab_size} ids); tokenizer training and pre-training skipped")
+    else:
+      tok = make_tokenizer(cfg, all_tasks, pool)
+      cfg = with_tokenizer(cfg, tok)
     if isinstance(tok, BPETokenizer):
       tok.save(os.path.join(run_dir, "tokenizer"))
-      timings["tokenizer_s"] = time.time() - t0
-      echo(f"tokenizer: byte-level BPE of {tok.vocab_size} ids in {time.time() - t0:.0f}s")
+      if not cfg.pretrained_model:
+        timings["tokenizer_s"] = time.time() - t0
+        echo(f"tokenizer: byte-level BPE of {tok.vocab_size} ids in {time.time() - t0:.0f}s")
 
     # -- 1. continual pre-training on code -------------------------------------------------
     t0 = time.time()
-    model = pretrain(cfg, run_dir, all_tasks, mesh, rep=rep, echo=echo, pool=pool, tokenizer=tok)
-    timings["pretrain_s"] = time.time() - t0
+    if not cfg.pretrained_model:
+      model = pretrain(cfg, run_dir, all_tasks, mesh, rep=rep, echo=echo, pool=pool,
+                       tokenizer=tok)
+      timings["pretrain_s"] = time.time() - t0
     _save_model(model, tok, os.path.join(run_dir, "pretrained_model"))
 
     # -- 2. held-out evaluation before RL ------------------------------------------------------

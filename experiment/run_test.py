@@ -15,6 +15,7 @@ from experiment import run as run_lib
 from experiment import testing as experiment_testing
 from experiment.config import EvalConfig, ExperimentConfig, PretrainConfig, RLConfig
 from moe import build
+from moe import checkpoint as moe_checkpoint
 from moe import sharding
 from moe.config import ModelConfig
 from pipeline.config import PipelineConfig
@@ -66,6 +67,20 @@ def test_tiny_experiment_end_to_end(tmp_path):
   assert summary["rl"]["zero_variance_filtered"] == 0  # filtering is off by default
   assert all(r["zero_variance_groups"] + r["signal_groups"] <= 2 for r in rl_steps)
   assert any("pass@1 before RL" in l for l in lines)
+
+  # RL from the saved pre-trained model: no pre-training, the saved model's config (not the
+  # one given) and tokenizer; its evaluation before RL is the first run's (same model, seeds).
+  again = tmp_path / "again"
+  cfg2 = dataclasses.replace(cfg, model=TINY.replace(hidden_size=16),
+                             pretrained_model=str(tmp_path / "pretrained_model"),
+                             rl=dataclasses.replace(cfg.rl, steps=1))
+  second = run_lib.run(cfg2, str(again), progress=False, echo=lambda _: None, tasks=tasks)
+  assert second["before"] == summary["before"]
+  assert second["rl"]["trained_episodes"] == 8 and second["rl"]["policy_version"] == 1
+  phases = [json.loads(l)["phase"] for l in open(again / "metrics.jsonl")]
+  assert "pretrain" not in phases and phases.count("rl") == 1
+  assert not (again / "corpus.json").exists()
+  assert moe_checkpoint.load_config(str(again / "final_model")) == TINY
 
 
 def test_validation_mode_evaluates_carved_train_tasks_not_heldout():
@@ -128,7 +143,6 @@ def test_agentic_experiment_end_to_end(tmp_path):
   from envs.harness import toolcall  # pylint: disable=g-import-not-at-top
   from envs.tasks import suite_repo  # pylint: disable=g-import-not-at-top
   from experiment.config import AgentConfig  # pylint: disable=g-import-not-at-top
-  from moe import checkpoint as moe_checkpoint  # pylint: disable=g-import-not-at-top
   from moe import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
   every = suite_repo.generate()
   tasks = suite_repo.split(every, "train")[:6] + suite_repo.split(every, "test")[:2]
