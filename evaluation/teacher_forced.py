@@ -89,16 +89,17 @@ def exact_turns(predict: Callable[[np.ndarray], np.ndarray], probe_rows: Sequenc
   return {k: (exact[k], total[k]) for k in sorted(total)}
 
 
+@nnx.jit
+def _greedy(model, x):
+  positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape)
+  logits = model(x, positions=positions, segment_ids=jnp.ones_like(x)).logits
+  return jnp.argmax(logits, axis=-1)
+
+
 def greedy_predictor(model) -> Callable[[np.ndarray], np.ndarray]:
-  """`model`'s greedy next token at every position of whole rows (one segment each)."""
-
-  @nnx.jit
-  def predict(m, x):
-    positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape)
-    logits = m(x, positions=positions, segment_ids=jnp.ones_like(x)).logits
-    return jnp.argmax(logits, axis=-1)
-
-  return lambda x: jax.device_get(predict(model, jnp.asarray(x)))
+  """`model`'s greedy next token at every position of whole rows (one segment each). One jitted
+  function for every model, so probing a model of the same shape again does not recompile."""
+  return lambda x: jax.device_get(_greedy(model, jnp.asarray(x)))
 
 
 def summary(result: dict[str, tuple[int, int]]) -> str:

@@ -208,9 +208,9 @@ def pretrain(cfg: ExperimentConfig, run_dir: str, all_tasks, mesh, *,
 
 def copy_probe(cfg: ExperimentConfig, pool, tokenizer):
   """The pre-training probe (PretrainConfig.probe_tasks): model -> {label: (exact, turns)} over
-  the oracle transcripts (direct plan where it succeeds) of fresh made-up-name tasks (seed + 2; the corpus's
-  made-up-name tasks use seed + 1, and the suite's names are never made up), in rows of the
-  pre-training length."""
+  the oracle transcripts (direct plan where it succeeds) of fresh made-up-name tasks (seed + 2;
+  the corpus's made-up-name tasks use seed + 1, and the suite's names are never made up), in
+  rows of the pre-training length."""
   p = cfg.pretrain
   tasks = suite_repo.generate(seed=cfg.seed + 2, per_template=p.probe_tasks, names="random")
   loop = dataclasses.replace(cfg.agent.loop_config(cfg.rl.pipeline.max_new_tokens),
@@ -310,18 +310,16 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
     else:
       tok = make_tokenizer(cfg, all_tasks, pool)
       cfg = with_tokenizer(cfg, tok)
-    if isinstance(tok, BPETokenizer):
-      tok.save(os.path.join(run_dir, "tokenizer"))
-      if not cfg.pretrained_model:
+      if isinstance(tok, BPETokenizer):
         timings["tokenizer_s"] = time.time() - t0
         echo(f"tokenizer: byte-level BPE of {tok.vocab_size} ids in {time.time() - t0:.0f}s")
-
-    # -- 1. continual pre-training on code -------------------------------------------------
-    t0 = time.time()
-    if not cfg.pretrained_model:
+      # -- 1. continual pre-training on code -----------------------------------------------
+      t0 = time.time()
       model = pretrain(cfg, run_dir, all_tasks, mesh, rep=rep, echo=echo, pool=pool,
                        tokenizer=tok)
       timings["pretrain_s"] = time.time() - t0
+    if isinstance(tok, BPETokenizer):
+      tok.save(os.path.join(run_dir, "tokenizer"))
     _save_model(model, tok, os.path.join(run_dir, "pretrained_model"))
 
     # -- 2. held-out evaluation before RL ------------------------------------------------------
