@@ -12,7 +12,7 @@ from typing import Optional
 import jax.numpy as jnp
 
 ROUTER_TYPES = ("softmax", "sigmoid")
-EXPERT_IMPLS = ("auto", "ragged", "dispatch")
+EXPERT_IMPLS = ("auto", "ragged", "dispatch", "grouped")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +47,10 @@ class ModelConfig:
     param_dtype: storage dtype of parameters ("float32", "bfloat16").
     dtype: compute dtype of activations and matmuls.
     expert_impl: "ragged" (dropless grouped matmul, `jax.lax.ragged_dot`; efficient on GPU/TPU),
-      "dispatch" (sort into per-expert capacity buffers, batched matmul; fast on CPU), or "auto"
-      (dispatch on CPU, ragged elsewhere).
+      "dispatch" (sort into per-expert capacity buffers, batched matmul; fast on CPU),
+      "grouped" (dropless, expert groups padded to blocks, batched matmul; moe.experts), or
+      "auto" (ragged off the CPU; on the CPU dispatch with a capacity factor, and dropless the
+      cheaper of dispatch and grouped for the layer's token count).
     capacity_factor: per-expert capacity of the dispatch path as a multiple of the even share
       (tokens * k / experts). None means dropless (capacity = all tokens).
     load_balance_loss_weight: weight of the Switch-style load-balancing loss.

@@ -6,7 +6,14 @@
     ../shared/verified-here.md), so it is slow there.
   * `dispatch_experts`: sort assignments by expert into per-expert capacity buffers
     [E, C, D] and run batched matmuls. Assignments beyond an expert's capacity are dropped (their
-    output is zero); with capacity >= tokens nothing drops. The fast path on the CPU.
+    output is zero); with capacity >= tokens nothing drops, at the price of computing every
+    expert over a buffer as long as all the tokens (E/k times the routed work).
+  * `grouped_experts`: dropless like ragged, as batched matmuls like dispatch: each expert's
+    assignments are padded to whole blocks of `block` rows and every block is multiplied by its
+    own expert's weights (the block-sparse layout of MegaBlocks, Gale et al. 2022). The work is
+    the routed assignments plus at most one partial block per expert, so for all but tiny token
+    counts it is far less than dropless dispatch; `auto` picks whichever of the two is smaller on
+    the CPU (`dropless_cpu_impl`).
 
 Both take an `expert_offset` so that, under expert parallelism, a shard holding experts
 [offset, offset + E_local) computes only their contributions; assignments to other experts
@@ -100,6 +107,66 @@ def dispatch_experts(x: jax.Array, idx: jax.Array, gates: jax.Array, w_gate: jax
   y = jnp.einsum("eci,eid->ecd", h, w_down.astype(dtype)).reshape(e_local * capacity, d)
   y_assign = jnp.take(y, dest, axis=0, mode="fill", fill_value=0)
   return _combine(y_assign, gates, keep, dtype)
+
+
+def grouped_blocks(num_assignments: int, num_experts: int, block: int) -> int:
+  """Blocks of `grouped_experts`' buffer: enough for any routing (sum_e ceil(c_e / block))."""
+  return -(-num_assignments // block) + num_experts - 1
+
+
+def grouped_experts(x: jax.Array, idx: jax.Array, gates: jax.Array, w_gate: jax.Array,
+                    w_up: jax.Array, w_down: jax.Array, *, dtype, block: int,
+                    expert_offset=0) -> jax.Array:
+  """Dropless experts as a padded grouped matmul. x [N, D], idx/gates [N, k] -> [N, D].
+
+  Assignments sorted by expert fill whole `block`-row blocks, each expert's group starting on a
+  block boundary; block b is multiplied by the weights of the expert its rows belong to (blocks
+  past the last group hold zeros and give zeros). Nothing is dropped and every assignment sees
+  exactly its expert's weights, so the output equals dropless dispatch and ragged_dot.
+  """
+  n, k = idx.shape
+  e_local, d = w_gate.shape[0], x.shape[-1]
+  a = n * k
+  nb = grouped_blocks(a, e_local, block)
+  keys, valid = _local_keys(idx, expert_offset, e_local)
+  order = jnp.argsort(keys, stable=True)
+  counts = jnp.bincount(keys, length=e_local + 1)
+  starts = jnp.cumsum(counts) - counts
+  rank_sorted = jnp.arange(a, dtype=jnp.int32) - starts[keys[order]].astype(jnp.int32)
+  rank = jnp.zeros((a,), jnp.int32).at[order].set(rank_sorted, unique_indices=True)
+  blocks = (counts[:e_local] + block - 1) // block  # blocks each local expert's group takes
+  block_ends = jnp.cumsum(blocks)
+  first_block = block_ends - blocks
+  safe_key = jnp.minimum(keys, e_local - 1)
+  dest = jnp.where(valid, first_block[safe_key] * block + rank, nb * block)  # off-shard: none
+  src = x[jnp.arange(a) // k].astype(dtype)
+  buf = jnp.zeros((nb * block, d), dtype).at[dest].set(src, mode="drop", unique_indices=True)
+  buf = buf.reshape(nb, block, d)
+  # The expert of each block (blocks past the groups: the last expert, applied to zeros).
+  owner = jnp.minimum(jnp.searchsorted(block_ends, jnp.arange(nb), side="right"), e_local - 1)
+  wg, wu, wdn = (jnp.take(w.astype(dtype), owner, axis=0) for w in (w_gate, w_up, w_down))
+  h = jax.nn.silu(jnp.einsum("nbd,ndi->nbi", buf, wg))
+  h = h * jnp.einsum("nbd,ndi->nbi", buf, wu)
+  y = jnp.einsum("nbi,nid->nbd", h, wdn).reshape(nb * block, d)
+  y_assign = jnp.take(y, dest, axis=0, mode="fill", fill_value=0)
+  return _combine(y_assign, gates, valid, dtype)
+
+
+# Rows per block of the grouped path: big enough for efficient matmuls on a CPU, small enough
+# that the padding (under one block per expert) stays a small share of a training batch.
+GROUPED_BLOCK = 128
+
+
+def dropless_cpu_impl(num_tokens: int, k: int, num_experts: int,
+                      block: int = GROUPED_BLOCK) -> str:
+  """"grouped" or "dispatch", whichever computes fewer expert rows for a dropless layer.
+
+  Dropless dispatch computes num_experts * num_tokens rows; grouped, at most the assignments
+  plus a partial block per expert. Decoding a few rows favours dispatch, prefill and training
+  batches grouped.
+  """
+  grouped = grouped_blocks(num_tokens * k, num_experts, block) * block
+  return "grouped" if grouped < num_experts * num_tokens else "dispatch"
 
 
 def resolve_impl(expert_impl: str) -> str:

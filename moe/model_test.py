@@ -97,7 +97,7 @@ def test_packed_segments_do_not_attend_across():
   np.testing.assert_allclose(out.logits[:, 5:], model(b).logits, atol=TOL)
 
 
-def test_ragged_and_dispatch_agree_when_nothing_drops():
+def test_ragged_dispatch_and_grouped_agree_when_nothing_drops():
   cfg = tiny(num_experts=8, num_experts_per_tok=2)
   ragged = build.create(cfg.replace(expert_impl="ragged"))
   dispatch = build.create(cfg.replace(expert_impl="dispatch", capacity_factor=None))
@@ -105,6 +105,9 @@ def test_ragged_and_dispatch_agree_when_nothing_drops():
   r, d = ragged(x), dispatch(x)
   np.testing.assert_array_equal(np.asarray(r.routing), np.asarray(d.routing))
   np.testing.assert_allclose(r.logits, d.logits, atol=TOL)
+  grouped = build.create(cfg.replace(expert_impl="grouped"))(x)
+  np.testing.assert_array_equal(np.asarray(grouped.routing), np.asarray(r.routing))
+  np.testing.assert_allclose(grouped.logits, r.logits, atol=TOL)
   # A generous capacity factor that still never overflows agrees too.
   roomy = build.create(cfg.replace(expert_impl="dispatch", capacity_factor=4.0))(x)
   np.testing.assert_allclose(roomy.logits, r.logits, atol=TOL)

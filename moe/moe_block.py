@@ -55,6 +55,12 @@ class MoEBlock(nnx.Module):
       if impl == "ragged":
         return experts_lib.ragged_experts(x, idx, gates, wg, wu, wd, dtype=dt,
                                           expert_offset=offset)
+      use = impl
+      if impl == "dispatch" and self.expert_impl == "auto" and self.capacity_factor is None:
+        use = experts_lib.dropless_cpu_impl(x.shape[0], self.k, wg.shape[0])
+      if use == "grouped":
+        return experts_lib.grouped_experts(x, idx, gates, wg, wu, wd, dtype=dt,
+                                           block=experts_lib.GROUPED_BLOCK, expert_offset=offset)
       cap = experts_lib.capacity_for(x.shape[0], self.k, self.num_experts, self.capacity_factor)
       return experts_lib.dispatch_experts(x, idx, gates, wg, wu, wd, dtype=dt, capacity=cap,
                                           expert_offset=offset)

@@ -47,10 +47,11 @@ def reference():
   return params.flatten(model), _forward(model, TOKENS)
 
 
-# Every mesh shape with the CPU's dispatch experts; one expert-parallel shape with ragged_dot.
+# Every mesh shape with the CPU's dispatch experts; one expert-parallel shape each with
+# ragged_dot and with grouped blocks.
 @pytest.mark.parametrize("shape,impl", [((8, 1, 1, 1), "dispatch"), ((2, 2, 2, 1), "dispatch"),
                                         ((1, 1, 4, 2), "dispatch"), ((2, 1, 2, 2), "dispatch"),
-                                        ((1, 1, 4, 2), "ragged")])
+                                        ((1, 1, 4, 2), "ragged"), ((2, 1, 2, 2), "grouped")])
 def test_sharded_forward_matches_single_device(reference, shape, impl):
   flat, (want_logits, want_routing) = reference
   mesh = sharding.make_mesh(shape)
