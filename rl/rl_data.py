@@ -151,12 +151,19 @@ class _SourceIterator(grain.DatasetIterator):
 
   def _tail_hole(self) -> Optional[tuple]:
     """(writer, missing shards, next seq, next writer_index) for a writer whose progress file
-    records shards past the last one this reader found (its tail went missing), else None."""
-    for writer, prog in sorted(trajectory_io.read_progress(self._ds.directory).items()):
+    records shards past the last one this reader found (its tail went missing), else None.
+
+    The shards are listed again after the progress files are read: a writer puts a shard in
+    place before it records it, so a shard published between the caller's listing and this
+    read is found here and is not mistaken for a missing one."""
+    progress = trajectory_io.read_progress(self._ds.directory)
+    present = set(trajectory_io.list_shards(self._ds.directory))
+    for writer, prog in sorted(progress.items()):
       have = self._next_seq.get(writer, 0)
       if prog["next_seq"] > have:
         missing = [trajectory_io.shard_name(writer, j) for j in range(have, prog["next_seq"])
-                   if trajectory_io.shard_name(writer, j) not in self._lost_names]
+                   if trajectory_io.shard_name(writer, j) not in self._lost_names
+                   and trajectory_io.shard_name(writer, j) not in present]
         if missing:
           return writer, missing, prog["next_seq"], prog["next_index"]
     return None
