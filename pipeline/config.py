@@ -18,7 +18,12 @@ class PipelineConfig:
     temperature: sampling temperature of the rollouts.
     top_p: nucleus sampling mass of the rollouts.
     seq_len: learner row length (an episode must fit in one row).
-    batch_rows: learner rows per step; every step's episodes are packed into exactly this many.
+    batch_rows: learner rows per step; every step's episodes are packed into at most this many.
+    row_buckets: the packed batch is cut to the smallest multiple of batch_rows / row_buckets
+      rows that holds every packed episode, so a step of short episodes, or one whose
+      zero-variance groups were filtered, trains fewer rows; the learner compiles at most
+      row_buckets shapes. 1: always batch_rows rows. The bucket (batch_rows / row_buckets) must
+      be a multiple of the learner's batch shards x micro-batches x minibatches.
     grade_workers: threads grading attempts in sandboxes at once.
     grade_cache: an attempt whose files were already graded for the same task reuses that grade
       instead of starting a sandbox (pipeline/grade_cache.py; only for deterministic tests,
@@ -51,6 +56,7 @@ class PipelineConfig:
   top_p: float = 1.0
   seq_len: int = 128
   batch_rows: int = 64
+  row_buckets: int = 1
   grade_workers: int = 4
   grade_cache: bool = False
   max_request_attempts: int = 3
@@ -69,6 +75,9 @@ class PipelineConfig:
     need(self.temperature > 0, "rollouts need temperature > 0")
     need(0 < self.top_p <= 1, "top_p must lie in (0, 1]")
     need(self.seq_len >= 8 and self.batch_rows >= 1, "seq_len >= 8 and batch_rows >= 1")
+    need(self.row_buckets >= 1 and self.batch_rows % self.row_buckets == 0,
+         f"row_buckets ({self.row_buckets}) must be >= 1 and divide batch_rows "
+         f"({self.batch_rows})")
     need(self.grade_workers >= 1 and self.max_request_attempts >= 1,
          "grade_workers and max_request_attempts must be >= 1")
 

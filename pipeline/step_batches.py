@@ -4,8 +4,10 @@ The controller writes groups in release order to sharded record files (rl.trajec
 reader takes the next `episodes_per_step` records from grain's checkpointable `TrajectorySource`,
 validates them (rl.episodes.validate; rejects are counted and masked like infrastructure
 failures), drops episodes staler than the bound (counted), computes GRPO advantages per group
-over the valid attempts, and packs the episodes first-fit into a fixed [batch_rows, seq_len]
-batch (segment ids keep attention within an episode; positions restart per episode).
+over the valid attempts, and packs the episodes first-fit into a [batch_rows, seq_len] batch
+(segment ids keep attention within an episode; positions restart per episode), cut to the
+rows they fill rounded up to a bucket (`PipelineConfig.row_buckets`; first-fit fills rows in
+order, so the cut drops only empty rows).
 
 Self-summarised episodes (rl.episodes.Episode.segment_lengths): each context segment is packed
 as its own sequence (its own segment id, positions from 0, no attention across segments; two
@@ -258,6 +260,11 @@ class StepBatcher:
           b["routing"][r, s:e] = np.transpose(ep.routing[:, start:end], (1, 0, 2))
       fill = trial
       packed += 1
+    bucket = rows // self.cfg.row_buckets
+    used = int(np.count_nonzero(fill))  # first-fit: the filled rows are the first ones
+    keep = max(1, -(-used // bucket)) * bucket
+    if keep < rows:
+      b = {name: a[:keep] for name, a in b.items()}
     return b, packed
 
   # -- checkpointing -------------------------------------------------------------------------

@@ -131,6 +131,32 @@ def test_zero_variance_groups_are_counted_and_filtered_in_their_own_step(tmp_pat
   assert b2.stats.zero_variance_groups == 5
 
 
+def test_row_buckets_cut_the_batch_to_the_rows_its_episodes_fill(tmp_path):
+  """Step 1 filtered: a's two episodes (14 tokens) fill one row of 32; unfiltered, five
+  episodes (39 tokens) fill two. With buckets of one row the batch has exactly those rows, the
+  same as the first rows of the full batch, whose other rows are empty; with one bucket it is
+  always batch_rows rows."""
+  _zero_variance_steps(tmp_path)
+  base = dict(max_staleness=1, prompts_per_step=3, attempts=2, seq_len=32, batch_rows=4)
+  for filtering, want_rows in ((True, 1), (False, 2)):
+    full, _ = StepBatcher(str(tmp_path), config=PipelineConfig(
+        **base, filter_zero_variance_groups=filtering), spec=SPEC).next_batch(0)
+    cut, info = StepBatcher(str(tmp_path), config=PipelineConfig(
+        **base, filter_zero_variance_groups=filtering, row_buckets=4), spec=SPEC).next_batch(0)
+    assert full["tokens"].shape == (4, 32)
+    assert info["trained_episodes"] == (2 if filtering else 5)
+    for name, a in cut.items():
+      assert a.shape[0] == want_rows, name
+      np.testing.assert_array_equal(a, full[name][:want_rows], err_msg=name)
+      assert not full[name][want_rows:].any(), name  # nothing trained was cut
+  # Two buckets of two rows: the filtered step's one row is rounded up to two.
+  half, _ = StepBatcher(str(tmp_path), config=PipelineConfig(
+      **base, filter_zero_variance_groups=True, row_buckets=2), spec=SPEC).next_batch(0)
+  assert half["tokens"].shape == (2, 32)
+  with pytest.raises(ValueError, match="row_buckets"):
+    PipelineConfig(**dict(base, batch_rows=6), row_buckets=4)
+
+
 def test_hack_flagged_attempts_are_counted_per_step(tmp_path):
   w = TrajectoryWriter(str(tmp_path), "c", records_per_shard=2)
   w.write_all([_episode("a", 0, -1.0, hack_flags=("exit_patched",)), _episode("a", 1, 1.0)])
