@@ -131,6 +131,7 @@ class EvalConfig:
 
 SUITES = ("pyfunc", "repo")
 TOKENIZERS = ("bytes", "bpe")
+RL_TASKS = ("train", "made_up")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,6 +208,13 @@ class ExperimentConfig:
   # tokenizer is the one saved beside it (tokenizer.json, else bytes), its config replaces
   # `model`, and tokenizer training and pre-training are skipped. "": pre-train as configured.
   pretrained_model: str = ""
+  # What RL trains on. "train": the split's train tasks (the ones pre-training's transcripts
+  # show). "made_up" (repo suite): `rl_made_up_per_template` fresh made-up-name tasks per
+  # template (envs.tasks.suite_repo, names="random", seed + 3; no corpus or evaluated task is
+  # among them), so no attempt can succeed by recalling a transcript it was pre-trained on and
+  # RL rewards reading and copying from the context, which every evaluated task needs.
+  rl_tasks: str = "train"
+  rl_made_up_per_template: int = 80
 
   def __post_init__(self):
     if self.suite not in SUITES:
@@ -219,6 +227,10 @@ class ExperimentConfig:
         raise ValueError(f"agent.max_context_tokens ({window}) + 16 must fit "
                          f"rl.pipeline.seq_len ({self.rl.pipeline.seq_len}) and the model's "
                          f"max_seq_len ({self.model.max_seq_len})")
+    if self.rl_tasks not in RL_TASKS:
+      raise ValueError(f"rl_tasks must be one of {RL_TASKS}, got {self.rl_tasks!r}")
+    if self.rl_tasks == "made_up" and (self.suite != "repo" or self.rl_made_up_per_template < 1):
+      raise ValueError("rl_tasks='made_up' needs suite='repo' and rl_made_up_per_template >= 1")
     if len(self.mesh_shape) != 4 or any(int(s) < 1 for s in self.mesh_shape):
       raise ValueError(f"mesh_shape must be four positive sizes (data, fsdp, expert, tensor), "
                        f"got {self.mesh_shape}")
