@@ -244,6 +244,10 @@ def make_rl_learner(cfg: ExperimentConfig, model, mesh) -> learner_lib.Learner:
 def eval_split(cfg: ExperimentConfig, tasks: Optional[Sequence] = None):
   """(all tasks, RL train tasks, evaluated tasks, their split's name).
 
+  With cfg.rl_tasks == "held_back" the RL tasks are a share of the train tasks relabelled
+  split="rl_only" in `all tasks`, so the corpus and the tokenizer, which read the train split,
+  never see them.
+
   `tasks`: the tasks to use (default: the built-in suite of cfg.suite, envs.tasks.suite_pyfunc
   or envs.tasks.suite_repo),
   their `split` saying which are train and which held out. Normally the evaluated tasks are the
@@ -262,14 +266,17 @@ def eval_split(cfg: ExperimentConfig, tasks: Optional[Sequence] = None):
     train = [t for t in all_tasks if t.split == "train"]
     evaluated = [t for t in all_tasks if t.split == "test"]
     name = "held-out"
+  if cfg.rl_tasks == "held_back":  # RL's tasks leave the train split, so the corpus lacks them
+    all_tasks, _, train = splits.carve(all_tasks, cfg.rl_held_back_fraction, splits.RL_ONLY)
   return all_tasks, train[:cfg.train_tasks], evaluated[:cfg.heldout_tasks], name
 
 
 def rl_tasks(cfg: ExperimentConfig, train: Sequence) -> list:
-  """The tasks RL trains on: the split's train tasks, or (cfg.rl_tasks == "made_up") fresh
+  """The tasks RL trains on: `train` (eval_split's RL tasks: the train split, or the held-back
+  share of it), or (cfg.rl_tasks == "made_up") fresh
   made-up-name repository tasks (seed + 3), less any whose combination is one of the corpus's
   made-up-name tasks (seed + 1), so RL never meets a task pre-training showed it."""
-  if cfg.rl_tasks == "train":
+  if cfg.rl_tasks != "made_up":
     return list(train)
   tasks = suite_repo.generate(seed=cfg.seed + 3, per_template=cfg.rl_made_up_per_template,
                               names="random")

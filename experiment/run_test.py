@@ -138,6 +138,33 @@ def test_rl_on_made_up_tasks_never_meets_a_pretraining_or_evaluated_task(monkeyp
     ExperimentConfig(model=TINY, rl_tasks="made_up")
 
 
+def test_held_back_rl_tasks_are_out_of_the_corpus_and_the_evaluated_split():
+  from envs.tasks import suite_repo  # pylint: disable=g-import-not-at-top
+  from experiment.config import AgentConfig  # pylint: disable=g-import-not-at-top
+  repo = dict(model=TINY, suite="repo", agent=AgentConfig(max_context_tokens=100))
+  for fraction in (0.15, 0.0):
+    cfg = ExperimentConfig(**repo, validation_fraction=fraction, rl_tasks="held_back",
+                           rl_held_back_fraction=0.4)
+    all_tasks, rl, evaluated, _ = run_lib.eval_split(cfg)
+    _, plain_train, plain_eval, _ = run_lib.eval_split(dataclasses.replace(cfg, rl_tasks="train"))
+    assert [t.task_id for t in evaluated] == [t.task_id for t in plain_eval]
+    corpus_ids = {t.task_id for t in all_tasks if t.split == "train"}
+    rl_ids = {t.task_id for t in rl}
+    # About 40% of the train tasks, none in the corpus's split nor evaluated; together with the
+    # corpus's they are the train tasks of the plain split.
+    assert 0.3 < len(rl) / len(plain_train) < 0.5
+    assert not rl_ids & corpus_ids and not rl_ids & {t.task_id for t in evaluated}
+    assert rl_ids | corpus_ids == {t.task_id for t in plain_train}
+    assert all(t.split == "rl_only" for t in rl)
+    assert run_lib.rl_tasks(cfg, rl) == rl
+    # The corpus itself holds none of them: its transcripts come from the train split only.
+    sources = [t for t in all_tasks if t.split == "train"]
+    assert len(sources) == len(plain_train) - len(rl)
+  assert len(suite_repo.generate()) == len(all_tasks)
+  with pytest.raises(ValueError, match="rl_held_back_fraction"):
+    ExperimentConfig(**repo, rl_tasks="held_back", rl_held_back_fraction=1.0)
+
+
 def test_rl_learner_takes_the_rl_settings():
   learner_cfg = LearnerConfig(
       optimizer=OptimizerConfig(learning_rate=3e-4, warmup_steps=5),

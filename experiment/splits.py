@@ -24,6 +24,10 @@ def is_validation(task_id: str, fraction: float, salt: str = VALIDATION) -> bool
   return int.from_bytes(h[:4], "big") < fraction * 2**32
 
 
+# Train tasks RL trains on and pre-training never shows (ExperimentConfig.rl_tasks="held_back").
+RL_ONLY = "rl_only"
+
+
 def carve_validation(all_tasks: Sequence, fraction: float) -> tuple[list, list, list]:
   """Moves a `fraction` of the train tasks into a validation split.
 
@@ -36,17 +40,23 @@ def carve_validation(all_tasks: Sequence, fraction: float) -> tuple[list, list, 
     the validation tasks). Held-out tasks are returned unchanged in the first list and appear in
     neither of the others.
   """
+  return carve(all_tasks, fraction, VALIDATION)
+
+
+def carve(all_tasks: Sequence, fraction: float, label: str) -> tuple[list, list, list]:
+  """`carve_validation` for any label: moves the train tasks whose hash (salted with `label`,
+  so two carves pick independently) falls in `fraction` into split `label`."""
   if not 0.0 < fraction < 1.0:
-    raise ValueError(f"validation fraction must lie in (0, 1), got {fraction}")
+    raise ValueError(f"{label} fraction must lie in (0, 1), got {fraction}")
   relabelled, train, val = [], [], []
   for t in all_tasks:
-    if t.split == "train" and is_validation(t.task_id, fraction):
-      t = dataclasses.replace(t, split=VALIDATION)
+    if t.split == "train" and is_validation(t.task_id, fraction, salt=label):
+      t = dataclasses.replace(t, split=label)
       val.append(t)
     elif t.split == "train":
       train.append(t)
     relabelled.append(t)
   if not val or not train:
-    raise ValueError(f"validation fraction {fraction} leaves {len(train)} train and {len(val)} "
-                     "validation tasks; both must be non-empty")
+    raise ValueError(f"{label} fraction {fraction} leaves {len(train)} train and {len(val)} "
+                     f"{label} tasks; both must be non-empty")
   return relabelled, train, val
