@@ -10,6 +10,8 @@ against what this CPU was shown to reach, not one small matmul's rate.
   bazel run //tools:bench_learner -- --gin_file=moe/configs/tiny.gin --seq_len 256 --batch_rows 8
   .venv/bin/python -m tools.bench_learner --gin_file=moe/configs/tiny.gin --objective policy \
       --chip h200 --mesh 1,1,1,1
+  .venv/bin/python -m tools.bench_learner --gin_file=moe/configs/tiny.gin --seq_len 512 \
+      --expert_impls dispatch,grouped      # the routed-expert paths, same batch, same process
 """
 
 from __future__ import annotations
@@ -111,6 +113,17 @@ def bench(cfg, *, seq_len: int, batch_rows: int, steps: int, warmup: int, object
   return out
 
 
+def compare_impls(runs: dict) -> dict:
+  """One report of several expert implementations timed in one process: each one's figures and
+  its step time over the first one's (the same batch, the same threads)."""
+  first = next(iter(runs.values()))
+  return {"by_expert_impl": runs,
+          "step_time_over_first": {k: r["step_time_s"] / first["step_time_s"]
+                                   for k, r in runs.items()},
+          "loss_diff_from_first": {k: abs(r["final_loss"] - first["final_loss"])
+                                   for k, r in runs.items()}}
+
+
 def _cpu_name() -> str:
   try:
     with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -128,6 +141,10 @@ def main(argv=None) -> int:
   p.add_argument("--objective", choices=("next_token", "policy"), default="next_token")
   p.add_argument("--mesh", default="1,1,1,1", help="data,fsdp,expert,tensor")
   p.add_argument("--micro_batches", type=int, default=1)
+  p.add_argument("--expert_impls", default="",
+                 help="comma-separated ModelConfig.expert_impl values to time one after the "
+                      "other in this process (e.g. dispatch,grouped); the report adds each "
+                      "one's step time over the first's")
   p.add_argument("--chip", default=None, help=f"one of {sorted(flops.PEAK_FLOPS)}")
   p.add_argument("--peak_tflops", type=float, default=None,
                  help="peak per device, TFLOP/s (default: without --chip, the best matmul "
@@ -138,11 +155,16 @@ def main(argv=None) -> int:
   cfg = configs.model_config()
   if args.seq_len > cfg.max_seq_len:
     cfg = cfg.replace(max_seq_len=args.seq_len)
-  result = bench(cfg, seq_len=args.seq_len, batch_rows=args.batch_rows, steps=args.steps,
-                 warmup=args.warmup, objective=args.objective,
-                 mesh_shape=tuple(int(x) for x in args.mesh.split(",")),
-                 micro_batches=args.micro_batches, chip=args.chip,
-                 peak_tflops=args.peak_tflops, measure_peak=True)
+  kw = dict(seq_len=args.seq_len, batch_rows=args.batch_rows, steps=args.steps,
+            warmup=args.warmup, objective=args.objective,
+            mesh_shape=tuple(int(x) for x in args.mesh.split(",")),
+            micro_batches=args.micro_batches, chip=args.chip, peak_tflops=args.peak_tflops)
+  impls = [x for x in args.expert_impls.split(",") if x]
+  if impls:
+    runs = {impl: bench(cfg.replace(expert_impl=impl), **kw) for impl in impls}
+    result = compare_impls(runs)
+  else:
+    result = bench(cfg, **kw, measure_peak=True)
   result["machine"] = {"cpu": _cpu_name(), "xla_cpu_threads": len(os.sched_getaffinity(0)),
                        "loadavg": list(os.getloadavg())}
   print(json.dumps(result, indent=1))

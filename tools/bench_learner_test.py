@@ -56,6 +56,29 @@ def test_bench_reports_throughput_and_mfu_of_known_steps(monkeypatch):
   assert r["devices"] == 1 and np.isfinite(r["final_loss"])
 
 
+def test_expert_impls_are_timed_in_one_process_against_the_first(monkeypatch):
+  """Dispatch and grouped experts on the same batch: the same loss (the same function), and the
+  ratio is each step time over the first's, on a clock where grouped steps take half as long."""
+  steps = {"dispatch": 0.4, "grouped": 0.2}
+  clock = _Clock(0.0)
+
+  class TimedLearner(bench_learner.learner_lib.Learner):
+
+    def train_step(self, batch):
+      out = super().train_step(batch)
+      clock.now += steps[self.model_cfg.expert_impl]
+      return out
+
+  monkeypatch.setattr(bench_learner, "time", clock)
+  monkeypatch.setattr(bench_learner.learner_lib, "Learner", TimedLearner)
+  kw = dict(seq_len=16, batch_rows=2, steps=2, warmup=1, objective="next_token",
+            mesh_shape=(1, 1, 1, 1), micro_batches=1, peak_tflops=1e-6)
+  runs = {impl: bench_learner.bench(CFG.replace(expert_impl=impl), **kw) for impl in steps}
+  r = bench_learner.compare_impls(runs)
+  assert r["step_time_over_first"] == pytest.approx({"dispatch": 1.0, "grouped": 0.5})
+  assert r["loss_diff_from_first"]["grouped"] < 1e-5
+
+
 def test_cli_rejects_unknown_chip():
   with pytest.raises(ValueError, match="unknown chip"):
     bench_learner.main(["--gin_file=moe/configs/tiny.gin", "--seq_len", "8", "--batch_rows", "1",
