@@ -52,6 +52,19 @@ def _local_keys(idx: jax.Array, expert_offset, num_local: int):
   return jnp.where(valid, local, num_local), valid
 
 
+def _rank_by_expert(idx: jax.Array, expert_offset, num_local: int):
+  """(keys, valid, assignments per key, each assignment's rank among its expert's), the
+  assignments taken in (token, k) order: what both buffer layouts place rows by."""
+  keys, valid = _local_keys(idx, expert_offset, num_local)
+  a = keys.shape[0]
+  order = jnp.argsort(keys, stable=True)
+  counts = jnp.bincount(keys, length=num_local + 1)
+  starts = jnp.cumsum(counts) - counts
+  rank_sorted = jnp.arange(a, dtype=jnp.int32) - starts[keys[order]].astype(jnp.int32)
+  rank = jnp.zeros((a,), jnp.int32).at[order].set(rank_sorted, unique_indices=True)
+  return keys, valid, counts, rank
+
+
 def _combine(y_assign: jax.Array, gates: jax.Array, valid: jax.Array, dtype) -> jax.Array:
   """Weighted sum over each token's k assignments (in order: deterministic, no scatter-add)."""
   n, k = gates.shape
@@ -91,12 +104,7 @@ def dispatch_experts(x: jax.Array, idx: jax.Array, gates: jax.Array, w_gate: jax
   n, k = idx.shape
   e_local, d = w_gate.shape[0], x.shape[-1]
   a = n * k
-  keys, valid = _local_keys(idx, expert_offset, e_local)
-  order = jnp.argsort(keys, stable=True)
-  counts = jnp.bincount(keys, length=e_local + 1)
-  starts = jnp.cumsum(counts) - counts
-  rank_sorted = jnp.arange(a, dtype=jnp.int32) - starts[keys[order]].astype(jnp.int32)
-  rank = jnp.zeros((a,), jnp.int32).at[order].set(rank_sorted, unique_indices=True)
+  keys, valid, counts, rank = _rank_by_expert(idx, expert_offset, e_local)
   keep = valid & (rank < capacity)
   dest = jnp.where(keep, keys * capacity + rank, e_local * capacity)  # out of range: dropped
   src = x[jnp.arange(a) // k].astype(dtype)
@@ -128,12 +136,7 @@ def grouped_experts(x: jax.Array, idx: jax.Array, gates: jax.Array, w_gate: jax.
   e_local, d = w_gate.shape[0], x.shape[-1]
   a = n * k
   nb = grouped_blocks(a, e_local, block)
-  keys, valid = _local_keys(idx, expert_offset, e_local)
-  order = jnp.argsort(keys, stable=True)
-  counts = jnp.bincount(keys, length=e_local + 1)
-  starts = jnp.cumsum(counts) - counts
-  rank_sorted = jnp.arange(a, dtype=jnp.int32) - starts[keys[order]].astype(jnp.int32)
-  rank = jnp.zeros((a,), jnp.int32).at[order].set(rank_sorted, unique_indices=True)
+  keys, valid, counts, rank = _rank_by_expert(idx, expert_offset, e_local)
   blocks = (counts[:e_local] + block - 1) // block  # blocks each local expert's group takes
   block_ends = jnp.cumsum(blocks)
   first_block = block_ends - blocks
