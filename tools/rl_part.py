@@ -87,12 +87,13 @@ def _run_part(parser: argparse.ArgumentParser, args, cfg, steps: int) -> int:
       parser.error("the controller needs --samplers")
     from experiment import run as run_lib  # pylint: disable=g-import-not-at-top
     from pipeline import controller  # pylint: disable=g-import-not-at-top
-    # The experiment's train tasks (its suite: single-turn functions, or repository tasks run
-    # as multi-turn agent episodes with its agent loop settings).
+    # The experiment's RL tasks (its suite: single-turn functions, or repository tasks run
+    # as multi-turn agent episodes with its agent loop settings; ExperimentConfig.rl_tasks
+    # picks which), the same ones the in-process run trains on.
     _, train, _, _ = run_lib.eval_split(cfg)
     try:
       processes.run_controller(args.workdir, urls, cfg.rl.pipeline, steps=steps,
-                               pool_size=cfg.sandbox_pool, tasks=train,
+                               pool_size=cfg.sandbox_pool, tasks=run_lib.rl_tasks(cfg, train),
                                loop_config=cfg.agent.loop_config(cfg.rl.pipeline.max_new_tokens),
                                tokenizer_dir=args.tokenizer)
     except controller.WriteFailed as e:  # a clear stop, not a traceback: the operator's to fix
