@@ -273,9 +273,9 @@ def eval_split(cfg: ExperimentConfig, tasks: Optional[Sequence] = None):
 
 def rl_tasks(cfg: ExperimentConfig, train: Sequence) -> list:
   """The tasks RL trains on: `train` (eval_split's RL tasks: the train split, or the held-back
-  share of it), or (cfg.rl_tasks == "made_up") fresh
-  made-up-name repository tasks (seed + 3), less any whose combination is one of the corpus's
-  made-up-name tasks (seed + 1), so RL never meets a task pre-training showed it."""
+  share of it), or (cfg.rl_tasks == "made_up") fresh made-up-name repository tasks (seed + 3),
+  less any whose combination is one of the corpus's made-up-name tasks (seed + 1), so RL never
+  meets a task pre-training showed it."""
   if cfg.rl_tasks != "made_up":
     return list(train)
   tasks = suite_repo.generate(seed=cfg.seed + 3, per_template=cfg.rl_made_up_per_template,
@@ -400,7 +400,8 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
     if r.steps:
       rep.start_phase("rl", r.steps)
       result = local.run(
-          learner=rl_learner, tasks=rl_tasks(cfg, train), pool=pool, workdir=os.path.join(run_dir, "rl"),
+          learner=rl_learner, tasks=rl_tasks(cfg, train), pool=pool,
+          workdir=os.path.join(run_dir, "rl"),
           config=r.pipeline, num_steps=r.steps, num_samplers=r.num_samplers,
           engine_config=_engine_config(cfg, r.sampler_slots), on_step=on_step,
           on_group=on_group, loop_config=cfg.agent.loop_config(r.pipeline.max_new_tokens),
