@@ -46,6 +46,9 @@ class PipelineConfig:
       (pipeline.learner_loop.EmptyStepError). Reward hacking is penalised where rewards are
       made (envs.reward.RewardConfig.hack_penalty / zero_on_hack) and counted per step
       (`hack_flagged`).
+    negative_advantage_scale: multiplies the GRPO advantages of below-average attempts
+      (rl.objectives.group_advantages): 1 is GRPO, 0 trains only on the attempts that did better
+      than their group's mean.
   """
 
   max_staleness: int = 2
@@ -63,6 +66,7 @@ class PipelineConfig:
   request_timeout_s: float = 300.0
   seed: int = 0
   filter_zero_variance_groups: bool = False
+  negative_advantage_scale: float = 1.0
 
   def __post_init__(self):
     def need(cond, msg):
@@ -78,6 +82,8 @@ class PipelineConfig:
     need(self.row_buckets >= 1 and self.batch_rows % self.row_buckets == 0,
          f"row_buckets ({self.row_buckets}) must be >= 1 and divide batch_rows "
          f"({self.batch_rows})")
+    need(0.0 <= self.negative_advantage_scale <= 1.0,
+         f"negative_advantage_scale must lie in [0, 1], got {self.negative_advantage_scale}")
     need(self.grade_workers >= 1 and self.max_request_attempts >= 1,
          "grade_workers and max_request_attempts must be >= 1")
 

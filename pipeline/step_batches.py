@@ -177,7 +177,9 @@ class StepBatcher:
       # rounding left in r - mean would become a spurious advantage once divided by std + eps.
       flat = bool(valid.any()) and bool(np.all(rewards[valid] == rewards[valid][0]))
       adv = (np.zeros(len(members), np.float32) if flat else
-             objectives.group_advantages(rewards, valid, normalize_std=self.normalize_std))
+             objectives.group_advantages(
+                 rewards, valid, normalize_std=self.normalize_std,
+                 negative_scale=self.cfg.negative_advantage_scale))
       signal += bool(np.any(adv != 0))
       scored.append((members, adv, flat))
     flat_groups = sum(flat for _, _, flat in scored)

@@ -131,6 +131,20 @@ def test_zero_variance_groups_are_counted_and_filtered_in_their_own_step(tmp_pat
   assert b2.stats.zero_variance_groups == 5
 
 
+def test_negative_advantage_scale_damps_below_average_attempts(tmp_path):
+  _zero_variance_steps(tmp_path)
+  cfg = PipelineConfig(max_staleness=1, prompts_per_step=3, attempts=2, seq_len=32,
+                       batch_rows=2, filter_zero_variance_groups=True,
+                       negative_advantage_scale=0.25)
+  batch, info = StepBatcher(str(tmp_path), config=cfg, spec=SPEC).next_batch(0)
+  # a's pass keeps +1; its failure's -1 becomes -0.25 (still trained, so still in the batch).
+  assert info["trained_episodes"] == 2
+  assert sorted(batch["advantages"][batch["loss_mask"] == 1].round(3).tolist()) == \
+      [-0.25] * 3 + [1.0] * 3
+  with pytest.raises(ValueError, match="negative_advantage_scale"):
+    PipelineConfig(negative_advantage_scale=-0.5)
+
+
 def test_row_buckets_cut_the_batch_to_the_rows_its_episodes_fill(tmp_path):
   """Step 1 filtered: a's two episodes (14 tokens) fill one row of 32; unfiltered, five
   episodes (39 tokens) fill two. With buckets of one row the batch has exactly those rows, the

@@ -143,13 +143,21 @@ def next_token_loss(logits: jax.Array, targets: jax.Array, weights: jax.Array):
 
 
 def group_advantages(rewards: np.ndarray, valid: Optional[np.ndarray] = None, *,
-                     normalize_std: bool = True, eps: float = 1e-6) -> np.ndarray:
+                     normalize_std: bool = True, negative_scale: float = 1.0,
+                     eps: float = 1e-6) -> np.ndarray:
   """GRPO advantages of one group of attempts at the same prompt.
 
   A_i = r_i - mean(r) (divided by std(r) + eps when `normalize_std`), mean and std over the valid
   attempts only. Invalid attempts (infrastructure failures) get advantage 0 and must also be
   masked out of the loss: they are never scored as reward 0.
+
+  `negative_scale` multiplies the negative advantages (below-mean attempts): 1 is GRPO, 0 trains
+  on the better-than-average attempts only (rejection-sampling fine-tuning with GRPO's weights),
+  values between damp the push away from failed attempts, which dominate a group when few
+  attempts pass and whose tokens mostly match the passing ones'.
   """
+  if not 0.0 <= negative_scale <= 1.0:
+    raise ValueError(f"negative_scale must lie in [0, 1], got {negative_scale}")
   r = np.asarray(rewards, np.float64)
   v = np.ones(r.shape, bool) if valid is None else np.asarray(valid, bool)
   out = np.zeros(r.shape, np.float32)
@@ -159,6 +167,7 @@ def group_advantages(rewards: np.ndarray, valid: Optional[np.ndarray] = None, *,
   adv = r - mean
   if normalize_std:
     adv = adv / (r[v].std() + eps)
+  adv = np.where(adv < 0, adv * negative_scale, adv)
   out[v] = adv[v]
   return out
 

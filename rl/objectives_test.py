@@ -35,6 +35,19 @@ def test_group_advantages_skip_infra_failures():
   assert np.all(objectives.group_advantages(np.ones(3), normalize_std=True) == 0)
 
 
+def test_group_advantages_negative_scale():
+  # One pass in four: the failures' advantages are scaled, the pass keeps its own.
+  r = np.array([1.0, 0.0, 0.0, 0.0])
+  full = objectives.group_advantages(r, eps=0.0)
+  half = objectives.group_advantages(r, eps=0.0, negative_scale=0.5)
+  only_pos = objectives.group_advantages(r, eps=0.0, negative_scale=0.0)
+  np.testing.assert_allclose(half, [full[0]] + [0.5 * a for a in full[1:]], **TOL)
+  np.testing.assert_allclose(only_pos, [full[0], 0.0, 0.0, 0.0], **TOL)
+  assert full[1] < 0
+  with pytest.raises(ValueError, match="negative_scale"):
+    objectives.group_advantages(r, negative_scale=1.5)
+
+
 def _hand_example():
   """One packed row: episode 1 (segment 1) trains 2 tokens with A=+1, episode 2 trains 1 token
   with A=-1; log-ratios 0.1, 0.3, -0.5 against the old policy."""
