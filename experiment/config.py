@@ -131,7 +131,7 @@ class EvalConfig:
 
 SUITES = ("pyfunc", "repo")
 TOKENIZERS = ("bytes", "bpe")
-RL_TASKS = ("train", "held_back", "made_up")
+RL_TASKS = ("train", "held_back")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,12 +212,9 @@ class ExperimentConfig:
   # show). "held_back": a `rl_held_back_fraction` share of the train tasks (by a hash of the
   # id, experiment/splits.py) that pre-training and the tokenizer never see, so no attempt can
   # pass by recalling a transcript it was pre-trained on and RL rewards reading and copying
-  # from the context, which every evaluated task needs. "made_up" (repo suite):
-  # `rl_made_up_per_template` fresh made-up-name tasks per template (envs.tasks.suite_repo,
-  # names="random", seed + 3; no corpus or evaluated task is among them).
+  # from the context, which every evaluated task needs.
   rl_tasks: str = "train"
   rl_held_back_fraction: float = 0.4
-  rl_made_up_per_template: int = 80
 
   def __post_init__(self):
     if self.suite not in SUITES:
@@ -232,8 +229,6 @@ class ExperimentConfig:
                          f"max_seq_len ({self.model.max_seq_len})")
     if self.rl_tasks not in RL_TASKS:
       raise ValueError(f"rl_tasks must be one of {RL_TASKS}, got {self.rl_tasks!r}")
-    if self.rl_tasks == "made_up" and (self.suite != "repo" or self.rl_made_up_per_template < 1):
-      raise ValueError("rl_tasks='made_up' needs suite='repo' and rl_made_up_per_template >= 1")
     if not 0.0 < self.rl_held_back_fraction < 1.0:
       raise ValueError(f"rl_held_back_fraction must lie in (0, 1), got "
                        f"{self.rl_held_back_fraction}")

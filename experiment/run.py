@@ -271,22 +271,6 @@ def eval_split(cfg: ExperimentConfig, tasks: Optional[Sequence] = None):
   return all_tasks, train[:cfg.train_tasks], evaluated[:cfg.heldout_tasks], name
 
 
-def rl_tasks(cfg: ExperimentConfig, train: Sequence) -> list:
-  """The tasks RL trains on: `train` (eval_split's RL tasks: the train split, or the held-back
-  share of it), or (cfg.rl_tasks == "made_up") fresh made-up-name repository tasks (seed + 3),
-  less any whose combination is one of the corpus's made-up-name tasks (seed + 1), so RL never
-  meets a task pre-training showed it."""
-  if cfg.rl_tasks != "made_up":
-    return list(train)
-  tasks = suite_repo.generate(seed=cfg.seed + 3, per_template=cfg.rl_made_up_per_template,
-                              names="random")
-  if cfg.pretrain.random_name_tasks:
-    seen = {tuple(t.metadata["key"]) for t in suite_repo.generate(
-        seed=cfg.seed + 1, per_template=cfg.pretrain.random_name_tasks, names="random")}
-    tasks = [t for t in tasks if tuple(t.metadata["key"]) not in seen]
-  return tasks
-
-
 def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
         echo: Callable[[str], None] = print, evaluate: bool = True,
         tasks: Optional[Sequence] = None) -> dict:
@@ -400,7 +384,7 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
     if r.steps:
       rep.start_phase("rl", r.steps)
       result = local.run(
-          learner=rl_learner, tasks=rl_tasks(cfg, train), pool=pool,
+          learner=rl_learner, tasks=train, pool=pool,
           workdir=os.path.join(run_dir, "rl"),
           config=r.pipeline, num_steps=r.steps, num_samplers=r.num_samplers,
           engine_config=_engine_config(cfg, r.sampler_slots), on_step=on_step,

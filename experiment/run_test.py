@@ -111,33 +111,6 @@ def test_validation_mode_evaluates_carved_train_tasks_not_heldout():
                            run_lib.ByteTokenizer())
 
 
-def test_rl_on_made_up_tasks_never_meets_a_pretraining_or_evaluated_task(monkeypatch):
-  from envs.tasks import suite_repo  # pylint: disable=g-import-not-at-top
-  from experiment.config import AgentConfig  # pylint: disable=g-import-not-at-top
-  repo = dict(suite="repo", agent=AgentConfig(max_context_tokens=100))  # fits TINY's window
-  cfg = ExperimentConfig(model=TINY, **repo, validation_fraction=0.15, rl_tasks="made_up",
-                         rl_made_up_per_template=3,
-                         pretrain=PretrainConfig(random_name_tasks=20))
-  _, train, evaluated, _ = run_lib.eval_split(cfg)
-  assert run_lib.rl_tasks(dataclasses.replace(cfg, rl_tasks="train"), train) == train
-  tasks = run_lib.rl_tasks(cfg, train)
-  assert len(tasks) == 3 * len(suite_repo.TEMPLATES)
-  assert all(t.task_id.startswith("repo-random-") for t in tasks)
-  keys = {tuple(t.metadata["key"]) for t in tasks}
-  corpus = suite_repo.generate(seed=cfg.seed + 1, per_template=20, names="random")
-  for other in (train, evaluated, corpus):
-    assert not keys & {tuple(t.metadata["key"]) for t in other}
-  # A made-up task that pre-training's corpus holds is left out: here the generator is made to
-  # return the same tasks for every seed, so all of them are.
-  same = suite_repo.generate(seed=9, per_template=3, names="random")
-  monkeypatch.setattr(suite_repo, "generate", lambda **_: list(same))
-  assert run_lib.rl_tasks(cfg, train) == []
-  with pytest.raises(ValueError, match="rl_tasks must be one of"):
-    ExperimentConfig(model=TINY, **repo, rl_tasks="held_out")
-  with pytest.raises(ValueError, match="needs suite='repo'"):
-    ExperimentConfig(model=TINY, rl_tasks="made_up")
-
-
 def test_held_back_rl_tasks_are_out_of_the_corpus_and_the_evaluated_split():
   from envs.tasks import suite_repo  # pylint: disable=g-import-not-at-top
   from experiment.config import AgentConfig  # pylint: disable=g-import-not-at-top
@@ -156,11 +129,12 @@ def test_held_back_rl_tasks_are_out_of_the_corpus_and_the_evaluated_split():
     assert not rl_ids & corpus_ids and not rl_ids & {t.task_id for t in evaluated}
     assert rl_ids | corpus_ids == {t.task_id for t in plain_train}
     assert all(t.split == "rl_only" for t in rl)
-    assert run_lib.rl_tasks(cfg, rl) == rl
     # The corpus itself holds none of them: its transcripts come from the train split only.
     sources = [t for t in all_tasks if t.split == "train"]
     assert len(sources) == len(plain_train) - len(rl)
   assert len(suite_repo.generate()) == len(all_tasks)
+  with pytest.raises(ValueError, match="rl_tasks must be one of"):
+    ExperimentConfig(**repo, rl_tasks="held_out")
   with pytest.raises(ValueError, match="rl_held_back_fraction"):
     ExperimentConfig(**repo, rl_tasks="held_back", rl_held_back_fraction=1.0)
 

@@ -93,7 +93,7 @@ def _run_part(parser: argparse.ArgumentParser, args, cfg, steps: int) -> int:
     _, train, _, _ = run_lib.eval_split(cfg)
     try:
       processes.run_controller(args.workdir, urls, cfg.rl.pipeline, steps=steps,
-                               pool_size=cfg.sandbox_pool, tasks=run_lib.rl_tasks(cfg, train),
+                               pool_size=cfg.sandbox_pool, tasks=train,
                                loop_config=cfg.agent.loop_config(cfg.rl.pipeline.max_new_tokens),
                                tokenizer_dir=args.tokenizer)
     except controller.WriteFailed as e:  # a clear stop, not a traceback: the operator's to fix
