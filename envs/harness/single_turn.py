@@ -2,7 +2,8 @@
 
 This is the mode the tiny demo model is trained in (see suite_pyfunc): the prompt is the
 task's instructions as a comment plus the function signature, the model continues with the body
-and stops at EOS, a blank line or a new top-level statement, and the file `solution.py` =
+and stops at EOS, a blank line or a new top-level statement (`STOP`; a task with its own
+`stop` strings, such as HumanEval's, stops at those instead), and the file `solution.py` =
 prompt + completion is graded in a fresh sandbox. `n` samples per prompt make a GRPO group.
 """
 
@@ -21,9 +22,16 @@ from envs.tasks import task_format
 STOP = ("\n\n", "\ndef ", "\nclass ", "\n#", "\nif __name__")
 
 
+def stop_strings(task: task_format.Task) -> tuple[str, ...]:
+  """Where a completion of `task.prompt` ends: the task's own `stop`, else `STOP`."""
+  return tuple(task.stop) or STOP
+
+
 def solution_file(task: task_format.Task, completion_text: str) -> str:
+  """`solution.py`: the prompt and the completion up to (and with the newline of) its first stop
+  string, so a sampler that ran past a stop cannot add code after it."""
   body = completion_text
-  for s in STOP:
+  for s in stop_strings(task):
     i = body.find(s)
     if i >= 0:
       body = body[:i + 1]
@@ -45,7 +53,7 @@ def run_single_turn(task: task_format.Task, policy: policy_lib.Policy, *,
   t0 = time.monotonic()
   prompt_ids = policy.start_ids() + policy.encode(task.prompt)
   try:
-    comps = policy.complete(prompt_ids, max_tokens=max_tokens, stop=STOP,
+    comps = policy.complete(prompt_ids, max_tokens=max_tokens, stop=stop_strings(task),
                             temperature=temperature, seed=seed, n=n, top_p=top_p)
   except policy_lib.PolicyError as e:
     seg = traj_lib.Segment()

@@ -23,6 +23,9 @@ Fields:
   split           "train" or "test" (held out)
   suite           where it came from; prompt, entry_point, solution: single-turn mode (see
                   suite_pyfunc); metadata: free-form.
+  stop            single-turn stop strings: where a completion of `prompt` ends (default, empty:
+                  envs.harness.single_turn.STOP, made for one-line bodies; a suite whose bodies
+                  hold blank lines, such as suite_humaneval, sets its own)
 
 Test ids follow pytest's `path::name` form; the sandbox runs them with `envs.sandbox.testrunner`.
 """
@@ -68,6 +71,7 @@ class Task:
   prompt: str = ""
   entry_point: str = ""
   solution: str = ""
+  stop: tuple[str, ...] = ()
   metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   @property
@@ -161,6 +165,10 @@ def validate(d: Mapping[str, Any]) -> list[str]:
     reasons += _check_ids(d.get("hidden_test_ids", []), "hidden_test_ids", everything)
     reasons += _check_ids(d.get("fail_to_pass", []), "fail_to_pass", everything)
     reasons += _check_ids(d.get("pass_to_pass", []), "pass_to_pass", everything)
+  stop = d.get("stop", [])
+  if (not isinstance(stop, (list, tuple)) or
+      not all(isinstance(x, str) and x for x in stop)):
+    reasons.append(f"stop must be a list of non-empty strings, got {stop!r}")
   if grading == "swe" and not d.get("fail_to_pass"):
     reasons.append("grading 'swe' needs at least one fail_to_pass test")
   limits = d.get("limits", {})
@@ -183,7 +191,7 @@ def from_dict(d: Mapping[str, Any]) -> Task:
     raise ValueError(f"bad task {d.get('task_id')!r}: " + "; ".join(reasons))
   kw = dict(d)
   kw["limits"] = Limits(**kw.get("limits", {}))
-  for k in ("visible_tests", "hidden_test_ids", "fail_to_pass", "pass_to_pass"):
+  for k in ("visible_tests", "hidden_test_ids", "fail_to_pass", "pass_to_pass", "stop"):
     kw[k] = tuple(kw.get(k, ()))
   kw["files"] = dict(kw.get("files", {}))
   kw["hidden_tests"] = dict(kw["hidden_tests"])
