@@ -4,10 +4,15 @@ Usage:
 
   bazel run //tools:eval -- --checkpoint=/path/to/ckpt --n=8 --k_list='(1, 4, 8)' --temperature=0.8
   bazel run //tools:eval -- --hf_checkpoint=/path/to/hf_dir --suite=swe --mode=agent
+  bazel run //tools:eval -- --hf_checkpoint=/path/to/hf_dir --suite=humaneval --max_tokens=512
   .venv/bin/python -m tools.eval --gin_file=moe/configs/tiny.gin --random_init=True --limit=5
 
 Every parameter of `eval_run` is a flag (`--n=4`) or a gin binding (`--gin.eval_run.n=4`);
-`--gin_file` adds gin files (a model size file for --random_init). Per-task results go to
+`--gin_file` adds gin files (a model size file for --random_init). `--suite` picks the tasks:
+pyfunc (the generated tiny-function suite), swe (SWE-style repository tasks), humaneval (OpenAI's
+164 HumanEval problems, all split "test", single-turn completion of the prompt graded by the
+official check program in a sandbox; HumanEval bodies need far more than the default
+--max_tokens=96) or file (--task_file=PATH). Per-task results go to
 `--out` (JSONL) and the summary to `<out stem>.summary.json`; the last lines printed are the
 summary table.
 """
@@ -20,22 +25,26 @@ from typing import Optional, Sequence
 import gin
 
 from envs.sandbox import pool as pool_lib
+from envs.tasks import suite_humaneval
 from envs.tasks import suite_pyfunc
 from envs.tasks import suite_swe
 from envs.tasks import task_format
 from evaluation import evaluate as evaluate_lib
 from tools import configs
 
-SUITES = ("pyfunc", "swe", "file")
+SUITES = ("pyfunc", "swe", "humaneval", "file")
 
 
 def load_suite(suite: str, split: Optional[str], task_file: Optional[str],
                limit: Optional[int]) -> list[task_format.Task]:
-  """The tasks of `suite` ("pyfunc", "swe" or "file" = task_file), filtered by split."""
+  """The tasks of `suite` ("pyfunc", "swe", "humaneval" or "file" = task_file), filtered by
+  split (humaneval's are all "test")."""
   if suite == "pyfunc":
     tasks = suite_pyfunc.generate()
   elif suite == "swe":
     tasks = suite_swe.generate()
+  elif suite == "humaneval":
+    tasks = suite_humaneval.generate()
   elif suite == "file":
     if not task_file:
       raise configs.ConfigError("--suite=file needs --task_file=PATH (JSONL or task directories)")

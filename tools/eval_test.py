@@ -1,4 +1,5 @@
-"""Tests for //tools:eval: a project checkpoint scored from the command line, and bad flags.
+"""Tests for //tools:eval: a project checkpoint scored from the command line, HumanEval with a
+random model, and bad flags.
 
 The evaluation library itself (pass@k values, grading, determinism) is tested in
 evaluation/evaluate_test.py; this checks the entry point's wiring: checkpoint loading, suite
@@ -10,6 +11,7 @@ import sys
 
 import pytest
 
+from envs.tasks import suite_humaneval
 from evaluation import evaluate as evaluate_lib
 from moe import checkpoint
 from rollout import testing as rollout_testing
@@ -35,12 +37,37 @@ def test_checkpoint_from_the_command_line(tmp_path, capsys):
   assert summary["num_tasks"] == 2 and summary["seed"] == 3 and summary["k_list"] == [1, 2]
 
 
+def test_humaneval_with_a_tiny_random_model(tmp_path, capsys):
+  """--suite=humaneval end to end: a random tiny model (byte tokenizer, the tool's default)
+  writes gibberish, which the sandboxed HumanEval check must run on and fail, never skip."""
+  out = str(tmp_path / "humaneval.jsonl")
+  rc = eval_tool.main(["--gin_file=moe/configs/tiny.gin", "--random_init=True",
+                       # HumanEval prompts run to 1360 bytes; the tiny model holds 512 tokens.
+                       "--gin.ModelConfig.max_seq_len=1024", "--suite=humaneval", "--limit=3",
+                       "--n=2", "--k_list=(1, 2)", "--temperature=1.0", "--max_tokens=8",
+                       f"--out={out}", "--pool_size=2"])
+  text = capsys.readouterr().out
+  assert rc == 0, text
+  assert "evaluating on 3 humaneval task(s), n=2, k=(1, 2)" in text
+  table = text.splitlines()[-4:]
+  assert table[0].startswith("tasks: 3") and "infra errors: 0" in table[0]
+  assert table[1].startswith("pass@1: 0.0000") and table[2].startswith("pass@2: 0.0000")
+  rows = evaluate_lib.read_results(out)
+  assert [r["task_id"] for r in rows] == ["humaneval-0", "humaneval-1", "humaneval-2"]
+  assert all((r["suite"], r["split"], r["mode"], r["n"]) == ("humaneval", "test", "single_turn", 2)
+             for r in rows)
+  for s in (s for r in rows for s in r["samples"]):
+    assert s["status"] == "ok" and s["model_tokens"] >= 1
+    assert s["test_outcomes"] == {suite_humaneval.TEST_ID: "failed"}  # the check really ran
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--limit=1"], "exactly one of"),
     (["--checkpoint=/x", "--random_init=True"], "exactly one of"),
     (["--random_init=True", "--suite=bogus"], "--suite must be one of"),
     (["--random_init=True", "--suite=file"], "needs --task_file"),
     (["--random_init=True", "--split=nope"], "no tasks"),
+    (["--random_init=True", "--suite=humaneval", "--split=train"], "no tasks"),
     (["--checkpoint=/definitely/missing"], "does not exist"),
     (["--frobnicate=2"], "unknown flag --frobnicate"),
 ])
