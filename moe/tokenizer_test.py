@@ -1,8 +1,10 @@
+import json
 import sys
 
 import pytest
 
 from moe import tokenizer
+from moe.hf import testutil
 
 
 def test_round_trip_and_specials():
@@ -62,6 +64,84 @@ def test_bpe_bad_input():
     tok.decode([1, tok.vocab_size])
   with pytest.raises(FileNotFoundError):
     tokenizer.BPETokenizer.load("/nonexistent/dir")
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+  """A checkpoint's tokenizer as transformers 5 saves one (tokenizer.json, tokenizer_config.json,
+  chat_template.jinja); the transformers tokenizer is the reference."""
+  fast = testutil.bpe_tokenizer()
+  d = tmp_path_factory.mktemp("hf_tok")
+  fast.save_pretrained(str(d))
+  return str(d), fast
+
+
+def test_a_checkpoints_tokenizer_json_encodes_and_decodes_as_transformers_does(hf_dir):
+  d, fast = hf_dir
+  tok = tokenizer.for_model(d, len(fast))
+  assert type(tok) is tokenizer.JsonTokenizer and tok.vocab_size == len(fast)
+  assert tok.eos_id == fast.eos_token_id and tok.pad_id == fast.pad_token_id
+  assert tok.bos_id is None  # the checkpoint has none, as Qwen's
+  for text in testutil.TOKENIZER_TEXTS[:4] + ("unseen: ü∑ \t", ""):
+    assert tok.encode(text) == fast.encode(text, add_special_tokens=False)
+  im_start = fast.convert_tokens_to_ids("<|im_start|>")
+  ids = [im_start] + fast.encode("def add(a, b):", add_special_tokens=False) + [fast.eos_token_id]
+  # Special added tokens are dropped (transformers' skip_special_tokens=True), or kept.
+  assert tok.decode(ids) == fast.decode(ids, skip_special_tokens=True) == "def add(a, b):"
+  assert tok.decode(ids, skip_special=False) == fast.decode(ids)
+  with pytest.raises(ValueError, match="no bos token"):
+    tok.encode("x", bos=True)
+  assert tok.encode("x", eos=True)[-1] == fast.eos_token_id
+
+
+def test_ids_a_model_has_past_its_tokenizer_decode_to_nothing(hf_dir):
+  d, fast = hf_dir
+  n = len(fast)
+  tok = tokenizer.for_model(d, n + 16)  # an embedding padded past the tokenizer, as Qwen's
+  ids = fast.encode("hello", add_special_tokens=False)
+  assert tok.decode(ids + [n, n + 15]) == fast.decode(ids + [n, n + 15]) == "hello"
+  with pytest.raises(ValueError, match="outside the vocabulary"):
+    tok.decode(ids + [n + 16])
+  with pytest.raises(tokenizer.TokenizerError, match=f"has {n} ids, more than the model's {n - 1}"):
+    tokenizer.for_model(d, n - 1)
+
+
+def test_the_projects_tokenizer_json_loads_as_the_projects_bpe(tmp_path):
+  bpe = tokenizer.BPETokenizer.train(_CORPUS, 300, extra_tokens=_TAGS)
+  bpe.save(str(tmp_path))
+  tok = tokenizer.for_model(str(tmp_path), bpe.vocab_size)
+  assert isinstance(tok, tokenizer.BPETokenizer)
+  assert tok.decode(tok.encode(_CORPUS[0], bos=True)) == _CORPUS[0]  # template tags kept
+
+
+def test_bytes_only_for_a_byte_vocabulary_and_a_clear_error_otherwise(tmp_path):
+  assert tokenizer.for_model(None, 259) == tokenizer.ByteTokenizer()
+  assert tokenizer.for_model(str(tmp_path), 259) == tokenizer.ByteTokenizer()
+  assert tokenizer.is_byte_vocabulary(259) and not tokenizer.is_byte_vocabulary(300)
+  with pytest.raises(tokenizer.TokenizerError, match=r"has no tokenizer.json, and its vocabulary "
+                     r"of 300 ids is not the byte tokenizer's \(259\)"):
+    tokenizer.for_model(str(tmp_path), 300)
+  with pytest.raises(tokenizer.TokenizerError, match="the model has no directory"):
+    tokenizer.for_model(None, 151936)
+  (tmp_path / "tokenizer.model").write_bytes(b"sentencepiece")
+  with pytest.raises(tokenizer.TokenizerError, match=r"\['tokenizer.model'\] but no tokenizer.json"):
+    tokenizer.for_model(str(tmp_path), 259)  # files that say it is not bytes: never bytes
+
+
+def test_a_bad_tokenizer_config_is_a_clear_error(hf_dir, tmp_path):
+  d, fast = hf_dir
+  (tmp_path / "tokenizer.json").write_text(open(f"{d}/tokenizer.json").read())
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|nope|>"}))
+  with pytest.raises(tokenizer.TokenizerError, match="no '<|nope|>' token"):
+    tokenizer.for_model(str(tmp_path), len(fast))
+  (tmp_path / "tokenizer_config.json").write_text("{not json")
+  with pytest.raises(tokenizer.TokenizerError, match="cannot read"):
+    tokenizer.for_model(str(tmp_path), len(fast))
+  # The roles may be AddedToken dicts (older transformers).
+  (tmp_path / "tokenizer_config.json").write_text(
+      json.dumps({"eos_token": {"content": "<|im_end|>", "special": True}}))
+  assert tokenizer.for_model(str(tmp_path), len(fast)).eos_id == fast.convert_tokens_to_ids(
+      "<|im_end|>")
 
 
 if __name__ == "__main__":

@@ -13,10 +13,10 @@ import pytest
 import tokenizers as hf_tokenizers
 import transformers
 
+from moe import tokenizer as tokenizer_lib
 from moe.tokenizer import ByteTokenizer
 from rollout import detokenize
 from rollout import outputs
-from rollout import tokenizers
 
 FFFD = detokenize.REPLACEMENT
 PIECES = ["a", "b", "é", "ü", "日本", "語", "🙂", "🎉", " ", " .", ".", ",", " ,", "isn't", " 's",
@@ -25,7 +25,7 @@ PIECES = ["a", "b", "é", "ü", "日本", "語", "🙂", "🎉", " ", " .", ".",
 
 @pytest.fixture(scope="module")
 def hf_tok(tmp_path_factory):
-  """A tiny GPT-2 style byte-level BPE, saved and loaded the way checkpoints ship one."""
+  """A tiny GPT-2 style byte-level BPE, saved the way checkpoints ship one; its directory."""
   tok = hf_tokenizers.Tokenizer(hf_tokenizers.models.BPE())
   tok.pre_tokenizer = hf_tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = hf_tokenizers.decoders.ByteLevel()
@@ -37,11 +37,16 @@ def hf_tok(tmp_path_factory):
   fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
   d = tmp_path_factory.mktemp("bpe")
   fast.save_pretrained(str(d))
-  return tokenizers.HFTokenizer(str(d))
+  return str(d)
 
 
 def _tokenizer(name, hf_tok):
-  return {"bytes": ByteTokenizer(), "byte_level": tokenizers.ByteLevel(300), "hf_bpe": hf_tok}[name]
+  """The served tokenizers: bytes, a checkpoint's BPE, and that BPE under a model with 40 ids
+  past it (a padded embedding, as Qwen's: those ids decode to nothing)."""
+  if name == "bytes":
+    return tokenizer_lib.for_model(None, ByteTokenizer().vocab_size)
+  n = tokenizer_lib.JsonTokenizer.from_directory(hf_tok).vocab_size
+  return tokenizer_lib.for_model(hf_tok, n + 40 if name == "hf_bpe_padded" else n)
 
 
 def _random_ids(tok, rng, vocab_size):
@@ -63,7 +68,7 @@ def _chunks(ids, rng):
     i += k
 
 
-TOKENIZERS = ["bytes", "byte_level", "hf_bpe"]
+TOKENIZERS = ["bytes", "hf_bpe", "hf_bpe_padded"]
 
 
 @pytest.mark.parametrize("name", TOKENIZERS)
@@ -71,7 +76,7 @@ TOKENIZERS = ["bytes", "byte_level", "hf_bpe"]
 def test_pieces_equal_the_final_text(name, seed, hf_tok):
   tok = _tokenizer(name, hf_tok)
   rng = random.Random(seed)
-  ids = _random_ids(tok, rng, tok.vocab_size)
+  ids = _random_ids(tok, rng, getattr(tok, "id_limit", tok.vocab_size))
   inc = detokenize.IncrementalText(tok)
   pieces, seen = [], []
   for chunk in _chunks(ids, rng):
@@ -92,7 +97,7 @@ def test_pieces_equal_the_final_text_with_stop_strings(name, seed, hf_tok):
   server sends the rest from the completion's text)."""
   tok = _tokenizer(name, hf_tok)
   rng = random.Random(1000 + seed)
-  ids = _random_ids(tok, rng, tok.vocab_size)
+  ids = _random_ids(tok, rng, getattr(tok, "id_limit", tok.vocab_size))
   whole = tok.decode(ids)
   stop = [whole[i:i + rng.randint(1, 4)] for i in rng.sample(range(len(whole)), 2)]
   stop = [s for s in stop if s] or ["#"]
@@ -120,10 +125,10 @@ def test_pieces_equal_the_final_text_with_stop_strings(name, seed, hf_tok):
 
 
 def test_a_split_character_is_held_until_complete():
-  inc = detokenize.IncrementalText(tokenizers.ByteLevel(300))
+  inc = detokenize.IncrementalText(ByteTokenizer())
   snowman = list("a☃b".encode())  # 61 e2 98 83 62
   assert [inc.push([t]) for t in snowman] == ["a", "", "", "☃", "b"]
-  inc = detokenize.IncrementalText(tokenizers.ByteLevel(300))
+  inc = detokenize.IncrementalText(ByteTokenizer())
   # An invalid byte stays U+FFFD: released with the next settled character, or by finish.
   assert inc.push([0xFF]) == "" and inc.push([0x61]) == FFFD + "a"
   assert inc.push([0xE2]) == "" and inc.finish(FFFD + "a" + FFFD) == FFFD

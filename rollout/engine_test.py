@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from moe import params as moe_params
+from moe import tokenizer as tokenizer_lib
 from rollout import agreement
 from rollout import testing
-from rollout import tokenizers
 from rollout.engine import Engine, EngineConfig, QueueFull
 from rollout.sampling import SamplingParams
 from testlib import waiting
@@ -27,7 +27,7 @@ def model():
 @pytest.fixture(scope="module")
 def engine(model):
   eng = Engine(model, config=EngineConfig(max_slots=4, max_len=64, decode_steps=4, max_queue=4),
-               tokenizer=tokenizers.ByteLevel(model.config.vocab_size))
+               tokenizer=tokenizer_lib.for_model(None, model.config.vocab_size))
   yield eng
   eng.stop()
 
@@ -160,7 +160,7 @@ def test_the_first_stop_string_completed_ends_it():
   assert outputs.find_stop([0, 1, 2, 3], decode, ["bc\n\nde", "d"]) == (3, "abc\n\n")
   assert outputs.find_stop([0, 1, 2, 3], decode, ["x"]) is None
   chars = list(b"abcd")
-  tok = tokenizers.ByteLevel(259)
+  tok = tokenizer_lib.ByteTokenizer()
   assert outputs.find_stop(chars, tok.decode, ["abcd", "c"]) == (3, "ab")
   assert outputs.find_stop(chars, tok.decode, ["a"]) == (1, "")
 

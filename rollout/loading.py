@@ -1,8 +1,8 @@
 """Loading served weights: Hugging Face checkpoints, project checkpoints, or fresh models.
 
 What: `load_model(...)` returns the `MoEDecoder` to serve from exactly one source,
-`load_engine(...)` the started engine that serves it (what //tools:serve runs), and
-`load_flat(path, cfg)` reads a checkpoint directory for a weight swap (format detected from its
+`load_engine(...)` the started engine that serves it (what //tools:serve runs) with the model's own
+tokenizer (`load_tokenizer`), and `load_flat(path, cfg)` reads a checkpoint directory for a weight swap (format detected from its
 files: `config.json` + `*.safetensors` is Hugging Face via `moe.hf`; anything else goes to the
 project's orbax checkpoints via `moe.checkpoint`).
 """
@@ -12,12 +12,16 @@ from __future__ import annotations
 import dataclasses
 import glob
 import json
+import logging
 import os
 from typing import Optional
 
 from moe import build
 from moe import params as moe_params
+from moe import tokenizer as tokenizer_lib
 from moe.config import ModelConfig
+
+_log = logging.getLogger(__name__)
 
 
 def is_hf_checkpoint(path: str) -> bool:
@@ -74,10 +78,27 @@ def _eos_from_hf(path: str) -> tuple:
   return tuple(eos) if isinstance(eos, list) else (int(eos),)
 
 
+def load_tokenizer(directory: Optional[str], vocab_size: int):
+  """The tokenizer of the served model: `moe.tokenizer.for_model` for a checkpoint directory
+  (its tokenizer.json, or bytes for a byte vocabulary, else TokenizerError); for a model without
+  a directory (a random-init preset), bytes when its vocabulary is bytes, else None: the server
+  then takes token-id prompts only, and the start-up log says so.
+
+  Raises:
+    moe.tokenizer.TokenizerError (a ValueError): a checkpoint without a usable tokenizer.
+  """
+  if directory is None and not tokenizer_lib.is_byte_vocabulary(vocab_size):
+    _log.warning("the model has no directory and a vocabulary of %d ids that is not bytes: no "
+                 "tokenizer, so text prompts are refused (send token ids)", vocab_size)
+    return None
+  return tokenizer_lib.for_model(directory, vocab_size)
+
+
 def load_engine(engine_config, *, hf_checkpoint: Optional[str] = None,
                 checkpoint: Optional[str] = None, config: Optional[ModelConfig] = None,
                 seed: int = 0, max_seq_len: Optional[int] = None):
-  """The started `rollout.engine.Engine` serving `load_model(...)`'s model.
+  """The started `rollout.engine.Engine` serving `load_model(...)`'s model, with the tokenizer
+  of its checkpoint (`load_tokenizer`).
 
   Args:
     engine_config: the engine's settings (rollout.engine.EngineConfig). Without eos_token_ids
@@ -86,13 +107,13 @@ def load_engine(engine_config, *, hf_checkpoint: Optional[str] = None,
     hf_checkpoint / checkpoint / config / seed / max_seq_len: as `load_model`.
 
   Raises:
-    ValueError: as `load_model`.
+    ValueError: as `load_model`, or a checkpoint without a usable tokenizer
+      (moe.tokenizer.TokenizerError).
   """
-  from rollout import tokenizers  # pylint: disable=g-import-not-at-top
   from rollout.engine import Engine  # pylint: disable=g-import-not-at-top
   model = load_model(hf_checkpoint=hf_checkpoint, checkpoint=checkpoint, config=config,
                      seed=seed, max_seq_len=max_seq_len)
-  tok = tokenizers.for_checkpoint(hf_checkpoint, model.config.vocab_size)
+  tok = load_tokenizer(hf_checkpoint or checkpoint, model.config.vocab_size)
   eos = _eos_from_hf(hf_checkpoint) if hf_checkpoint else ()
   if not eos and tok is not None and tok.eos_id is not None:
     eos = (tok.eos_id,)

@@ -8,8 +8,10 @@ import pytest
 from moe import checkpoint
 from moe import hf
 from moe import params as moe_params
+from moe import tokenizer as tokenizer_lib
 from rollout import loading
 from rollout import testing
+from rollout.engine import EngineConfig
 
 
 def _same(a, b):
@@ -44,6 +46,35 @@ def test_bad_sources_raise_value_error(tmp_path):
     loading.load_flat(str(tmp_path / "missing"), testing.tiny_config())
   with pytest.raises(ValueError, match="cannot read project checkpoint"):
     loading.load_flat(str(tmp_path), testing.tiny_config())
+
+
+def test_the_served_tokenizer_is_the_checkpoints_own_never_bytes_by_default(tmp_path):
+  """A model whose vocabulary is not bytes is served with the tokenizer.json beside its weights
+  (Hugging Face or project checkpoint alike), and without one it does not start."""
+  model = testing.tiny_model(seed=4, vocab_size=300)
+  hfd, proj = str(tmp_path / "hf"), str(tmp_path / "proj")
+  hf.save_pretrained(model, hfd, architecture="MixtralForCausalLM")
+  checkpoint.save_params(model, proj)
+  ec = EngineConfig(max_slots=2, max_len=32, decode_steps=2, max_queue=2)
+  for kw in ({"hf_checkpoint": hfd}, {"checkpoint": proj}):
+    with pytest.raises(tokenizer_lib.TokenizerError, match="300 ids is not the byte tokenizer's"):
+      loading.load_engine(ec, **kw)
+  bpe = tokenizer_lib.BPETokenizer.train(["def add(a, b):\n    return a + b\n"] * 20, 300)
+  text = "def add(b, a):"
+  for kw in ({"hf_checkpoint": hfd}, {"checkpoint": proj}):
+    bpe.save(next(iter(kw.values())))
+    engine = loading.load_engine(ec, **kw)
+    try:
+      assert isinstance(engine.tokenizer, tokenizer_lib.BPETokenizer)
+      assert engine.tokenizer.encode(text) == bpe.encode(text) != list(text.encode())
+      assert engine.config.eos_token_ids == (bpe.eos_id,)
+    finally:
+      engine.stop()
+
+
+def test_a_model_without_a_directory_is_bytes_or_token_ids_only():
+  assert loading.load_tokenizer(None, 259) == tokenizer_lib.ByteTokenizer()
+  assert loading.load_tokenizer(None, 300) is None  # a random-init preset: token-id prompts
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@
 What: `parse_completion_request(body, tokenizer, vocab_size)` turns a decoded JSON body of
 `POST /v1/completions` into prompts (token-id lists) and `SamplingParams`, raising `BadRequest`
 with a message that names the offending field; `choice_json` / `chunk_json` build the response
-objects, adding the sampler's extra fields (`token_ids`, `routing`, `policy_version`,
-`policy_versions`, `prompt_routing`) next to the OpenAI ones.
+objects, adding the sampler's extra fields (`token_ids`, `prompt_token_ids`, `routing`,
+`policy_version`, `policy_versions`, `prompt_routing`) next to the OpenAI ones.
 
 Why strict: RL clients and users both send to this endpoint; an unknown or mistyped field is far
 more often a bug than an intent, so it is rejected (400) rather than silently ignored.
@@ -249,8 +249,13 @@ def logprobs_json(tokenizer, token_ids, logprobs, top=None, offset: int = 0) -> 
 
 
 def choice_json(index: int, completion, tokenizer, *, return_routing: bool,
-                return_prompt_routing: bool) -> dict:
-  """One `choices[i]` entry with the sampler's extra fields (logprobs are always included)."""
+                return_prompt_routing: bool, prompt_token_ids=None) -> dict:
+  """One `choices[i]` entry with the sampler's extra fields (logprobs are always included).
+
+  `prompt_token_ids`: the ids the choice's prompt was sampled from (a text prompt as the
+  server's tokenizer encoded it), so a client can record exactly what the model saw (vLLM's
+  field of the same name); left out when None.
+  """
   versions = list(completion.policy_versions)
   out = {"index": index, "text": completion.text,
          "logprobs": logprobs_json(tokenizer, completion.token_ids, completion.logprobs,
@@ -259,6 +264,8 @@ def choice_json(index: int, completion, tokenizer, *, return_routing: bool,
          "token_ids": list(completion.token_ids),
          "policy_version": versions[-1] if versions else None,
          "policy_versions": versions}
+  if prompt_token_ids is not None:
+    out["prompt_token_ids"] = [int(t) for t in prompt_token_ids]
   if return_routing:
     out["routing"] = (completion.routing.tolist()
                       if completion.routing is not None else None)

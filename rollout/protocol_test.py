@@ -7,9 +7,9 @@ import pytest
 
 from rollout import protocol
 from rollout.engine import Completion
-from rollout.tokenizers import ByteLevel
+from moe.tokenizer import ByteTokenizer
 
-TOK = ByteLevel(300)
+TOK = ByteTokenizer()
 
 
 def parse(body):
@@ -65,14 +65,14 @@ def test_a_lone_surrogate_in_a_text_prompt_is_a_bad_request():
 
 
 def test_prompts_times_n_is_capped_before_tokenizing():
-  class Counting(ByteLevel):
+  class Counting(ByteTokenizer):
     calls = 0
 
     def encode(self, text):
       Counting.calls += 1
       return super().encode(text)
 
-  tok = Counting(300)
+  tok = Counting()
   body = {"prompt": ["x"] * 9, "n": 3}
   with pytest.raises(protocol.BadRequest, match="27 completions; at most 26 per request"):
     protocol.parse_completion_request(body, tok, 300, max_tokens_limit=100, max_completions=26)
@@ -105,8 +105,12 @@ def test_choice_json_carries_sampler_fields():
                  routing=np.array([[[0, 1], [2, 3]]], np.uint8), policy_versions=[3, 4],
                  finish_reason="length", text="hi", prompt_routing=np.zeros((1, 2, 2), np.uint8),
                  top_logprobs=[{104: -0.5, 7: -2.0}, {105: -1.0, 8: -1.5}])
-  j = protocol.choice_json(2, c, TOK, return_routing=True, return_prompt_routing=True)
+  j = protocol.choice_json(2, c, TOK, return_routing=True, return_prompt_routing=True,
+                          prompt_token_ids=[72, 105])
   assert j["index"] == 2 and j["text"] == "hi" and j["token_ids"] == [104, 105]
+  assert j["prompt_token_ids"] == [72, 105]
+  assert "prompt_token_ids" not in protocol.choice_json(0, c, TOK, return_routing=False,
+                                                        return_prompt_routing=False)
   assert j["routing"] == [[[0, 1], [2, 3]]] and j["prompt_routing"] == [[[0, 0], [0, 0]]]
   assert j["policy_version"] == 4 and j["policy_versions"] == [3, 4]
   lp = j["logprobs"]

@@ -233,7 +233,8 @@ class Server:
     n = req["params"].n
     choices = [protocol.choice_json(pi * n + c.index, c, self.tokenizer,
                                     return_routing=req["return_routing"],
-                                    return_prompt_routing=req["return_prompt_routing"])
+                                    return_prompt_routing=req["return_prompt_routing"],
+                                    prompt_token_ids=req["prompts"][pi])
                for pi, r in enumerate(results) for c in r]
     prompt_tokens = sum(len(p) for p in req["prompts"]) * n
     completion_tokens = sum(len(c.token_ids) for r in results for c in r)

@@ -21,8 +21,8 @@ from envs.harness import single_turn
 from envs.sandbox import pool as pool_lib
 from envs.tasks import suite_pyfunc
 from moe import params as moe_params
+from moe import tokenizer as tokenizer_lib
 from rollout import testing
-from rollout import tokenizers
 from rollout.engine import Engine, EngineConfig
 
 START_VERSION = 7
@@ -33,7 +33,7 @@ WAIT_S = 120  # bound on every wait for the server's loop thread
 @pytest.fixture(scope="module")
 def engine():
   model = testing.tiny_model(seed=3)
-  tok = tokenizers.for_checkpoint(None, model.config.vocab_size)
+  tok = tokenizer_lib.for_model(None, model.config.vocab_size)
   cfg = EngineConfig(max_slots=4, max_len=64, decode_steps=4, max_queue=16, deterministic=True,
                      eos_token_ids=(tok.eos_id,))
   eng = Engine(model, config=cfg, tokenizer=tok, version=START_VERSION)

@@ -70,3 +70,44 @@ def forward(model, toks: np.ndarray):
   topk = [torch.topk(r.float(), k, dim=-1).indices.numpy().reshape(b, t, k)
           for r in out.router_logits]
   return out.logits.float().numpy(), np.sort(np.stack(topk), axis=-1)
+
+
+# Text for the tiny tokenizers below: code, prose and a chat tag, so merges are learned.
+TOKENIZER_TEXTS = ("def add(a, b):\n    return a + b\n", "print('hello world')\n",
+                   "<|im_start|>user\nfix the bug<|im_end|>\n", "naïve café: ∑ 🙂\n") * 8
+
+
+def bpe_tokenizer(texts=TOKENIZER_TEXTS, vocab_size: int = 320):
+  """A tiny byte-level BPE trained with `tokenizers` on `texts`, wrapped as transformers'
+  `PreTrainedTokenizerFast` the way a Qwen-style checkpoint ships one: `<|endoftext|>` is the EOS
+  and pad token, `<|im_start|>` / `<|im_end|>` are special added tokens, and there is no BOS.
+  `save_pretrained(dir)` writes tokenizer.json, tokenizer_config.json and chat_template.jinja."""
+  import tokenizers  # pylint: disable=g-import-not-at-top
+  from tokenizers import decoders, models, pre_tokenizers, trainers  # pylint: disable=g-import-not-at-top
+  tok = tokenizers.Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=vocab_size,
+                                special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                show_progress=False)
+  tok.train_from_iterator(list(texts), trainer)
+  fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                              pad_token="<|endoftext|>")
+  fast.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+                        "<|im_end|>\n{% endfor %}")
+  return fast
+
+
+def save_with_tokenizer(path, *, seed: int = 0, extra_ids: int = 16) -> str:
+  """A real-style checkpoint in `path`: a tiny seeded Qwen3-MoE (`qwen3_config`) and
+  `bpe_tokenizer()`, both saved by transformers (config.json, generation_config.json,
+  model.safetensors, tokenizer.json, tokenizer_config.json, chat_template.jinja). The model has
+  `extra_ids` ids past the tokenizer's (an embedding padded past its tokenizer, as Qwen's) and
+  the tokenizer's EOS / pad; returns `path`."""
+  tok = bpe_tokenizer()
+  cfg = qwen3_config(vocab_size=len(tok) + extra_ids, eos_token_id=tok.eos_token_id,
+                     pad_token_id=tok.pad_token_id, bos_token_id=None)
+  save(make_model(cfg, seed=seed), path)
+  tok.save_pretrained(str(path))
+  return str(path)
