@@ -5,6 +5,10 @@ Every test target's `main` is `//build_defs:pytest_runner.py`, which runs the te
 pytest, so a file runs its tests whether or not it has a `__main__` block, and a target whose file
 collects no test fails. Test files may still end with
 `if __name__ == "__main__": sys.exit(pytest.main(...))` so that `python x_test.py` works too.
+
+Every binary and test runs under the toolchain's interpreter, build_defs/venv_python.sh (the
+venv's Python with -P): its main's own folder is not on sys.path, so imports resolve from the
+workspace root as under `python -m`, and no module of the package can shadow a dependency.
 """
 
 load("@rules_python//python:defs.bzl", "py_binary", "py_library", "py_test")
@@ -38,7 +42,7 @@ def tool_binary(name, deps = [], data = [], src = None, lib_name = None):
       name: the binary's target name (`bazel run //pkg:<name>`).
       deps: the library's dependencies.
       data: runtime files (gin configs, test data), reached through the library's runfiles.
-      src: the source file when it is not `<name>.py` (e.g. a name that would shadow a package).
+      src: the source file when it is not `<name>.py`.
       lib_name: the library's name when it is not `<name>_lib`.
     """
     src = src or name + ".py"

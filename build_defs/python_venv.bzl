@@ -1,7 +1,9 @@
 """A repository rule that makes the project's .venv Bazel's Python toolchain.
 
 The venv is created by scripts/bootstrap.sh from the pinned requirements files, so Bazel never
-downloads an interpreter or packages itself (these machines have no general internet).
+downloads an interpreter or packages itself (these machines have no general internet). The
+toolchain's interpreter is build_defs/venv_python.sh, the venv's Python with -P, so that no
+binary or test has its own package folder on sys.path (see that file).
 """
 
 _BUILD = """
@@ -27,7 +29,7 @@ toolchain(
 
 def _python_venv_impl(rctx):
     root = rctx.path(Label("//:WORKSPACE")).dirname
-    interpreter = "%s/.venv/bin/python3" % root
+    interpreter = "%s/build_defs/venv_python.sh" % root
     rctx.file("WORKSPACE", 'workspace(name = "%s")\n' % rctx.name)
     rctx.file("BUILD", _BUILD.format(interpreter = interpreter))
 
