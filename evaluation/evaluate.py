@@ -158,8 +158,10 @@ def evaluate(model_or_engine: Any, tasks: Sequence[task_format.Task], *, n: int 
     seed: base seed; each task's seed is task_seed(seed, task_id).
     pool: an envs.sandbox.pool.WarmPool for grading (the caller owns it).
     out_path: where to write the per-task JSONL (and `<stem>.summary.json`); None writes nothing.
-    tokenizer: the model's tokenizer (default: the byte tokenizer of the tiny models).
-    add_bos: prepend BOS to prompts (how the project's models are pre-trained).
+    tokenizer: the model's tokenizer (default: the source's own, `sources.with_tokenizer`: a
+      checkpoint's tokenizer.json, an engine's tokenizer, bytes for a byte vocabulary).
+    add_bos: prepend BOS to prompts (how the project's models are pre-trained); the tokenizer
+      must have one.
     mode: "auto" (single-turn when the task has a prompt, else the agent loop), "single_turn"
       or "agent".
     reward_config: grading settings, as in training.
@@ -170,7 +172,9 @@ def evaluate(model_or_engine: Any, tasks: Sequence[task_format.Task], *, n: int 
     progress: called as progress(tasks_done, num_tasks) after each task.
 
   Raises:
-    ValueError: no tasks, bad n / k_list / mode, or a context the model cannot hold.
+    ValueError: no tasks, bad n / k_list / mode, a context the model cannot hold, no tokenizer
+      for a vocabulary that is not bytes (moe.tokenizer.TokenizerError), or add_bos with a
+      tokenizer that has no BOS.
   """
   if not tasks:
     raise ValueError("no tasks to evaluate")
@@ -183,9 +187,9 @@ def evaluate(model_or_engine: Any, tasks: Sequence[task_format.Task], *, n: int 
   if len(set(ids)) != len(ids):
     raise ValueError("task ids must be unique")
   modes = [attempts_lib.mode_of(t, mode) for t in tasks]
-  if tokenizer is None:
-    from moe.tokenizer import ByteTokenizer  # pylint: disable=g-import-not-at-top
-    tokenizer = ByteTokenizer()
+  model_or_engine, tokenizer = sources.with_tokenizer(model_or_engine, tokenizer)
+  if add_bos and tokenizer.bos_id is None:
+    raise ValueError("add_bos=True but the tokenizer has no BOS token; pass add_bos=False")
   longest = max(len(tokenizer.encode(t.prompt)) for t in tasks) + int(add_bos)
   if "agent" in modes:
     lc = loop_config or agent_loop.LoopConfig()

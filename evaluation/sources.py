@@ -15,6 +15,10 @@ Every source becomes the sampler callable the environments harness takes
     (`moe.hf`), loaded through `rollout.loading`, then as above;
   * any other callable with the signature above (a remote sampler, a scripted test double).
 
+The tokenizer an evaluation encodes prompts with is the source's own (`tokenizer_for`): a
+checkpoint's tokenizer.json, an engine's tokenizer, or bytes for a model whose vocabulary is the
+byte tokenizer's; a model with another vocabulary and no tokenizer is an error, never bytes.
+
 An engine with a tokenizer also takes the harness's stop strings (`stop=`, `Sampler.stop_strings`)
 and ends each completion at them, so a multi-turn agent's turn is not decoded to `max_tokens`
 past its `</tool_call>`; an engine without one (it cannot match text) and a plain callable get
@@ -34,6 +38,34 @@ def load_checkpoint(path: str):
   if loading.is_hf_checkpoint(path):
     return loading.load_model(hf_checkpoint=path)
   return loading.load_model(checkpoint=path)
+
+
+def with_tokenizer(source: Any, tokenizer=None) -> tuple:
+  """(source, tokenizer) to evaluate with: a checkpoint path becomes its MoEDecoder, and the
+  tokenizer is `tokenizer` when given, else the source's own:
+
+    * a checkpoint path: the checkpoint's (`moe.tokenizer.for_model` on its directory);
+    * an Engine: its tokenizer, or for one without, as a model of its vocabulary;
+    * a MoEDecoder: bytes when its vocabulary is the byte tokenizer's (`for_model(None, ...)`);
+    * a generate callable (its vocabulary unknown): the byte tokenizer of the tiny models.
+
+  Raises:
+    moe.tokenizer.TokenizerError (a ValueError): a vocabulary that is not bytes and no tokenizer.
+  """
+  from moe import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+  if isinstance(source, str):
+    path, source = source, load_checkpoint(source)
+    if tokenizer is None:
+      tokenizer = tokenizer_lib.for_model(path, source.config.vocab_size)
+  if tokenizer is not None:
+    return source, tokenizer
+  if hasattr(source, "submit") and hasattr(source, "generate"):  # an Engine
+    if source.tokenizer is not None:
+      return source, source.tokenizer
+    return source, tokenizer_lib.for_model(None, source.model_config.vocab_size)
+  if _is_model(source):
+    return source, tokenizer_lib.for_model(None, source.config.vocab_size)
+  return source, tokenizer_lib.ByteTokenizer()
 
 
 def _is_model(obj: Any) -> bool:

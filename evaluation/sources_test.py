@@ -12,6 +12,7 @@ from envs.harness import inprocess_policy
 from envs.harness import policy as policy_lib
 from envs.harness import scripted_sampler
 from evaluation import sources
+from moe import checkpoint
 from moe import tokenizer as tokenizer_lib
 from rollout import testing as rollout_testing
 from rollout.engine import Engine, EngineConfig
@@ -81,6 +82,30 @@ def test_policy_request_ends_at_its_stop_string_in_the_engine(sampler):
   np.testing.assert_allclose(got.logprobs, expected.logprobs, atol=rollout_testing.ATOL)
   np.testing.assert_array_equal(got.routing, expected.routing)
   assert got.policy_versions == expected.policy_versions
+
+
+def test_an_evaluation_uses_the_sources_own_tokenizer(model, tmp_path):
+  """A checkpoint's tokenizer.json, an engine's tokenizer, bytes for a byte vocabulary; a model
+  whose vocabulary is not bytes and that brings no tokenizer is an error, never bytes."""
+  bpe = tokenizer_lib.BPETokenizer.train(["def f():\n    return 1\n"] * 20, 300)
+  big = rollout_testing.tiny_model(seed=1, vocab_size=300)
+  ckpt = str(tmp_path / "ckpt")
+  checkpoint.save_params(big, ckpt)
+  with pytest.raises(tokenizer_lib.TokenizerError, match="300 ids is not the byte tokenizer's"):
+    sources.with_tokenizer(ckpt)
+  bpe.save(ckpt)
+  loaded, tok = sources.with_tokenizer(ckpt)
+  assert loaded.config == big.config and isinstance(tok, tokenizer_lib.BPETokenizer)
+  assert tok.encode("def f():") == bpe.encode("def f():")
+  with pytest.raises(tokenizer_lib.TokenizerError, match="the model has no directory"):
+    sources.with_tokenizer(big)
+  assert sources.with_tokenizer(big, TOK) == (big, TOK)  # the caller's tokenizer wins
+  assert sources.with_tokenizer(model) == (model, tokenizer_lib.ByteTokenizer())
+  engine = Engine(model, config=EngineConfig(max_slots=2, max_len=128), tokenizer=bpe,
+                  start=False)
+  assert sources.with_tokenizer(engine) == (engine, bpe)
+  gen = scripted_sampler.scripted_generate(["x"])
+  assert sources.with_tokenizer(gen) == (gen, tokenizer_lib.ByteTokenizer())
 
 
 if __name__ == "__main__":

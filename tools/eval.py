@@ -71,18 +71,27 @@ def eval_run(checkpoint: Optional[str] = None, hf_checkpoint: Optional[str] = No
              temperature: float = 0.0, max_tokens: int = 96, seed: int = 0,
              out: str = "/tmp/eval/results.jsonl", mode: str = "auto", pool_size: int = 4,
              allow_degraded: bool = False, max_concurrency: int = 64) -> evaluate_lib.EvalReport:
-  """Loads the model (exactly one of checkpoint, hf_checkpoint, random_init), runs the eval."""
+  """Loads the model (exactly one of checkpoint, hf_checkpoint, random_init) and its tokenizer,
+  runs the eval.
+
+  The tokenizer is the checkpoint's own (`moe.tokenizer.for_model`: its tokenizer.json; bytes only
+  for a byte vocabulary, and a random-init model must have one); BOS starts each prompt when the
+  tokenizer has one (the project's models; not Qwen's).
+  """
   if sum([checkpoint is not None, hf_checkpoint is not None, bool(random_init)]) != 1:
     raise configs.ConfigError("give exactly one of --checkpoint, --hf_checkpoint or "
                            "--random_init=True (with a model gin file)")
   tasks = load_suite(suite, split, task_file, limit)
+  from moe import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
   from rollout import loading  # pylint: disable=g-import-not-at-top  (imports jax)
+  directory = configs.workspace_path(checkpoint or hf_checkpoint) if not random_init else None
   try:
     model = loading.load_model(
-        checkpoint=configs.workspace_path(checkpoint) if checkpoint else None,
-        hf_checkpoint=configs.workspace_path(hf_checkpoint) if hf_checkpoint else None,
+        checkpoint=directory if checkpoint else None,
+        hf_checkpoint=directory if hf_checkpoint else None,
         config=configs.model_config() if random_init else None, seed=model_seed)
-  except ValueError as e:
+    tokenizer = tokenizer_lib.for_model(directory, model.config.vocab_size)
+  except ValueError as e:  # moe.tokenizer.TokenizerError too
     raise configs.ConfigError(str(e)) from e
   print(f"evaluating on {len(tasks)} {suite} task(s), n={n}, k={tuple(k_list)}", flush=True)
 
@@ -93,7 +102,8 @@ def eval_run(checkpoint: Optional[str] = None, hf_checkpoint: Optional[str] = No
   with pool_lib.WarmPool(size=pool_size, allow_degraded=allow_degraded) as pool:
     return evaluate_lib.evaluate(model, tasks, n=n, k_list=k_list, temperature=temperature,
                                  max_tokens=max_tokens, seed=seed, pool=pool,
-                                 out_path=configs.workspace_path(out), mode=mode,
+                                 out_path=configs.workspace_path(out), tokenizer=tokenizer,
+                                 add_bos=tokenizer.bos_id is not None, mode=mode,
                                  max_concurrency=max_concurrency, progress=progress)
 
 

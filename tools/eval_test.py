@@ -14,6 +14,7 @@ import pytest
 from envs.tasks import suite_humaneval
 from evaluation import evaluate as evaluate_lib
 from moe import checkpoint
+from moe.hf import testutil
 from rollout import testing as rollout_testing
 from tools import eval as eval_tool
 
@@ -74,6 +75,37 @@ def test_humaneval_with_a_tiny_random_model(tmp_path, capsys):
 def test_bad_flags(argv, message, capsys):
   assert eval_tool.main(argv) == 2
   assert message in capsys.readouterr().err
+
+
+def test_a_hugging_face_checkpoint_is_evaluated_with_its_own_tokenizer(tmp_path, capsys,
+                                                                      monkeypatch):
+  """--hf_checkpoint of a transformers-saved Qwen3-MoE with a BPE tokenizer.json: the evaluation
+  (the real one, watched) gets that tokenizer -- prompts encode as transformers encodes them --
+  and no BOS, which the checkpoint's tokenizer does not have; without the tokenizer files the
+  tool refuses to run rather than read the vocabulary as bytes."""
+  import transformers  # pylint: disable=g-import-not-at-top
+  ckpt = testutil.save_with_tokenizer(tmp_path / "qwen3", seed=2)
+  ref = transformers.AutoTokenizer.from_pretrained(ckpt)
+  seen = {}
+  real = evaluate_lib.evaluate
+
+  def evaluate(*a, **kw):
+    seen.update(kw)
+    return real(*a, **kw)
+
+  monkeypatch.setattr(evaluate_lib, "evaluate", evaluate)
+  out = str(tmp_path / "res.jsonl")
+  rc = eval_tool.main([f"--hf_checkpoint={ckpt}", "--limit=1", "--max_tokens=4",
+                       f"--out={out}", "--pool_size=1"])
+  assert rc == 0, capsys.readouterr()
+  text = "def add(a, b):\n    return a + b\n"
+  assert seen["tokenizer"].encode(text) == ref.encode(text, add_special_tokens=False)
+  assert seen["add_bos"] is False
+  assert len(evaluate_lib.read_results(out)) == 1
+  for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+    (tmp_path / "qwen3" / name).unlink()
+  assert eval_tool.main([f"--hf_checkpoint={ckpt}", "--limit=1", f"--out={out}"]) == 2
+  assert "is not the byte tokenizer's" in capsys.readouterr().err
 
 
 if __name__ == "__main__":

@@ -7,6 +7,10 @@ Sources of weights (exactly one):
 `rollout.EngineConfig` (`--gin.EngineConfig.max_slots=32`; tools/configs/runs/serve.gin lists
 them). gin is used only here, at the edge; `rollout.loading.load_engine` takes plain arguments.
 
+Text prompts are encoded, and completions decoded, with the checkpoint's own tokenizer (its
+`tokenizer.json`, e.g. one saved by transformers); bytes only for a model whose vocabulary is the
+byte tokenizer's. A checkpoint with neither does not start (`moe.tokenizer.for_model`).
+
 The admin app (weight swaps, `rollout.admin`) listens on `--admin_host` (loopback by default,
 whatever `--host` is) at `--admin_port` and always requires a token: `--admin_token`,
 `$ROLLOUT_ADMIN_TOKEN`, or one generated at start-up, written to `--admin_token_file` (mode 0600)
@@ -78,8 +82,11 @@ def build_engine(args: argparse.Namespace) -> Engine:
   over = {k: getattr(args, k) for k in ("max_slots", "max_len", "decode_steps", "max_queue",
                                           "deterministic") if getattr(args, k) is not None}
   ec = dataclasses.replace(configs.GinEngineConfig(), **over)
-  return loading.load_engine(ec, hf_checkpoint=args.hf_checkpoint, checkpoint=args.checkpoint,
-                             config=cfg, seed=args.seed, max_seq_len=args.max_len)
+  try:
+    return loading.load_engine(ec, hf_checkpoint=args.hf_checkpoint, checkpoint=args.checkpoint,
+                               config=cfg, seed=args.seed, max_seq_len=args.max_len)
+  except ValueError as e:  # a bad source, or a checkpoint without a usable tokenizer: no traceback
+    raise SystemExit(f"error: {e}") from e
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -1,6 +1,15 @@
 """//tools:serve's command line: model presets and engine settings from gin files, `--gin.X=V`
-bindings and flags (flags win), the old binding spelling refused, and the binary's admin token
-(generated, in a 0600 file the start-up line names)."""
+bindings and flags (flags win), the old binding spelling refused, the binary's admin token
+(generated, in a 0600 file the start-up line names), and the binary serving a checkpoint saved by
+transformers with its own tokenizer.
+
+The binary runs as a process the way Bazel runs it (`_start`): under `bazel test` the
+`//tools:serve` binary itself; outside Bazel what its stub executes, the toolchain's interpreter
+(build_defs/venv_python.sh) on tools/serve.py as a script. Reading the checkpoint's
+tokenizer.json imports the `tokenizers` library, which a module of that name on the process's
+sys.path once shadowed (rollout/tokenizers.py): the server died at start-up. The guard against
+such names, and the interpreter check, are build_defs/module_names_test.py.
+"""
 
 import json
 import os
@@ -15,9 +24,11 @@ import urllib.request
 
 import pytest
 
+from moe.hf import testutil
 from tools import serve
 
 WAIT_S = 300  # the subprocess imports JAX and builds an engine: slow on a loaded machine
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TINY = "--gin_file=moe/configs/tiny.gin"
 SERVE = "--gin_file=tools/configs/runs/serve.gin"
@@ -52,23 +63,55 @@ def test_needs_a_source_of_weights():
     serve.build_engine(serve.parse_args([]))
 
 
+def _binary() -> list:
+  """The command that runs //tools:serve as Bazel runs it (see the module docstring)."""
+  if os.environ.get("TEST_SRCDIR"):
+    path = os.path.join(os.environ["TEST_SRCDIR"], os.environ["TEST_WORKSPACE"], "tools", "serve")
+    assert os.path.isfile(path), f"{path} is missing: serve_test needs data = [\":serve\"]"
+    return [path]
+  return [os.path.join(ROOT, "build_defs", "venv_python.sh"), os.path.join(ROOT, "tools", "serve.py")]
+
+
+class _Binary:
+  """//tools:serve running as a process; `line` is its start-up line (the one line it prints).
+
+  Raises AssertionError with the process's stderr if it exits or prints nothing within WAIT_S.
+  """
+
+  def __init__(self, args, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "ROLLOUT_ADMIN_TOKEN"}
+    if not os.environ.get("TEST_SRCDIR"):  # Bazel's stub sets PYTHONPATH itself
+      env["PYTHONPATH"] = ROOT
+    self._stderr = open(tmp_path / "serve.stderr", "w+")  # pylint: disable=consider-using-with
+    self.proc = subprocess.Popen(_binary() + list(args), stdout=subprocess.PIPE,
+                                 stderr=self._stderr, text=True, env=env, cwd=ROOT)
+    lines = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in self.proc.stdout] + [lines.put(None)],
+                     daemon=True).start()
+    try:
+      self.line = lines.get(timeout=WAIT_S)
+    except queue.Empty:
+      self.line = None
+    if self.line is None:
+      self.close()
+      self._stderr.seek(0)
+      raise AssertionError(f"//tools:serve printed no start-up line within {WAIT_S} s (exit "
+                           f"{self.proc.returncode}); stderr:\n{self._stderr.read()[-4000:]}")
+
+  def close(self):
+    if self.proc.poll() is None:
+      self.proc.terminate()
+    self.proc.wait(WAIT_S)
+
+
 def test_serve_writes_the_admin_token_file_and_says_where_it_is(tmp_path):
   """The binary end to end: the admin app on loopback requires the generated token, which is in
   a 0600 file; the start-up line names the file and does not show the token."""
   token_file = tmp_path / "token"
-  env = {k: v for k, v in os.environ.items() if k != "ROLLOUT_ADMIN_TOKEN"}
-  env["PYTHONPATH"] = os.pathsep.join(sys.path)
-  proc = subprocess.Popen(
-      [sys.executable, "-m", "tools.serve", TINY, SERVE, "--max_slots=2", "--max_len=32",
-       "--port=0", "--admin_port=0", f"--admin_token_file={token_file}"],
-      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-  lines = queue.Queue()
-  threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+  binary = _Binary([TINY, SERVE, "--max_slots=2", "--max_len=32", "--port=0", "--admin_port=0",
+                    f"--admin_token_file={token_file}"], tmp_path)
   try:
-    try:
-      line = lines.get(timeout=WAIT_S)  # the one line the binary prints
-    except queue.Empty:
-      raise AssertionError(f"no start-up line within {WAIT_S} s") from None
+    line = binary.line
     m = re.search(r"admin on http://127\.0\.0\.1:(\d+), admin token in (\S+) ", line)
     assert m and m.group(2) == str(token_file), line
     token = token_file.read_text().strip()
@@ -82,8 +125,58 @@ def test_serve_writes_the_admin_token_file_and_says_where_it_is(tmp_path):
     with urllib.request.urlopen(req, timeout=WAIT_S) as r:
       assert r.status == 200 and json.loads(r.read())["policy_version"] == 0
   finally:
-    proc.terminate()
-    proc.wait(WAIT_S)
+    binary.close()
+
+
+@pytest.fixture(scope="module")
+def transformers_checkpoint(tmp_path_factory):
+  """A tiny Qwen3-MoE and a BPE tokenizer saved by transformers into one directory, as a real
+  checkpoint is (`moe.hf.testutil.save_with_tokenizer`), and the transformers tokenizer loaded
+  back from it (the reference)."""
+  import transformers  # pylint: disable=g-import-not-at-top
+  d = testutil.save_with_tokenizer(tmp_path_factory.mktemp("qwen3_bpe"), seed=1)
+  assert {"tokenizer.json", "chat_template.jinja", "config.json"} <= set(os.listdir(d))
+  return d, transformers.AutoTokenizer.from_pretrained(d)
+
+
+def test_the_binary_serves_a_transformers_checkpoint_with_its_own_tokenizer(
+    transformers_checkpoint, tmp_path):
+  """A text prompt is encoded by the checkpoint's tokenizer (not as bytes), and each completion's
+  text is that tokenizer's decoding of its token ids, through the real entry point."""
+  d, ref = transformers_checkpoint
+  binary = _Binary([f"--hf_checkpoint={d}", "--port=0", "--admin_port=-1", "--max_slots=4",
+                    "--max_len=64", "--decode_steps=4"], tmp_path)
+  try:
+    port = re.search(r"listening on http://127\.0\.0\.1:(\d+) ", binary.line).group(1)
+    prompt = "def add(a, b):\n    return"
+    body = {"prompt": prompt, "max_tokens": 16, "n": 3, "temperature": 1.0, "seed": 7,
+            "return_routing": False}
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
+                                 data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=WAIT_S) as r:
+      out = json.loads(r.read())
+  finally:
+    binary.close()
+  want = ref.encode(prompt, add_special_tokens=False)
+  assert len(want) < len(prompt.encode()) / 2  # merges: a byte tokenizer would not match
+  assert len(out["choices"]) == 3 and out["usage"]["prompt_tokens"] == 3 * len(want)
+  for c in out["choices"]:
+    assert c["prompt_token_ids"] == want
+    assert c["text"] == ref.decode(c["token_ids"], skip_special_tokens=True)
+  assert any(c["text"] for c in out["choices"])
+
+
+def test_a_checkpoint_without_a_tokenizer_whose_vocabulary_is_not_bytes_does_not_start(
+    transformers_checkpoint, tmp_path):
+  d, _ = transformers_checkpoint
+  bare = tmp_path / "no_tokenizer"
+  bare.mkdir()
+  for name in ("config.json", "model.safetensors"):
+    os.symlink(os.path.join(d, name), bare / name)
+  with pytest.raises(SystemExit, match=r"error: .*no tokenizer.json, and its vocabulary of \d+ "
+                     r"ids is not the byte tokenizer's"):
+    serve.build_engine(serve.parse_args([f"--hf_checkpoint={bare}", "--max_len=64"]))
 
 
 if __name__ == "__main__":
