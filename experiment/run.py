@@ -308,8 +308,8 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
     # -- 0. the tokenizer (BPE: trained on a sample of the corpus; its size sets the vocabulary)
     t0 = time.time()
     if cfg.pretrained_model:  # Start from a saved model: no tokenizer training, no pre-training.
-      tok = tokenizer_lib.load(cfg.pretrained_model)
       model = moe_checkpoint.load_model(cfg.pretrained_model)
+      tok = tokenizer_lib.for_model(cfg.pretrained_model, model.config.vocab_size)
       cfg = dataclasses.replace(cfg, model=model.config)
       echo(f"pre-trained model: {cfg.pretrained_model} ({type(tok).__name__}, "
            f"{tok.vocab_size} ids); tokenizer training and pre-training skipped")

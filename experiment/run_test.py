@@ -188,7 +188,7 @@ def test_agentic_experiment_end_to_end(tmp_path):
       sandbox_pool=2, tokenizer="bpe", bpe_vocab_size=1024)
   summary = run_lib.run(cfg, str(tmp_path), progress=False, echo=lambda _: None, tasks=tasks)
   assert summary["heldout_tasks"] == 2 and summary["before"]["samples"] == 2
-  tok = tokenizer_lib.load(str(tmp_path / "tokenizer"))
+  tok = tokenizer_lib.BPETokenizer.load(str(tmp_path / "tokenizer"))
   assert isinstance(tok, tokenizer_lib.BPETokenizer) and 300 < tok.vocab_size <= 1024
   for tag in toolcall.TEMPLATE_TOKENS:
     assert tok.encode(tag) == [tok.special_id(tag)]
@@ -217,7 +217,9 @@ def test_agentic_experiment_end_to_end(tmp_path):
   for name in ("pretrained_model", "final_model"):
     model_dir = str(tmp_path / name)
     assert moe_checkpoint.load_config(model_dir).vocab_size == tok.vocab_size
-    assert tokenizer_lib.load(model_dir).encode("def f():") == tok.encode("def f():")
+    again = tokenizer_lib.for_model(model_dir, tok.vocab_size)
+    assert isinstance(again, tokenizer_lib.BPETokenizer)
+    assert again.encode("def f():") == tok.encode("def f():")
     assert moe_checkpoint.load_model(model_dir).config.vocab_size == tok.vocab_size
 
 

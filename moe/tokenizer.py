@@ -10,9 +10,7 @@ BOS / EOS / pad roles its `tokenizer_config.json` names: what a real checkpoint 
 `for_model(directory, vocab_size)` is the one way to find a model's tokenizer (the server, the
 evaluation and the pipeline's parts use it): the model directory's `tokenizer.json`, else the
 byte tokenizer when the model's vocabulary is exactly the byte tokenizer's, else a
-`TokenizerError` -- never bytes in place of a vocabulary that is not bytes. `load(dir)` is the
-older, lenient form (tokenizer.json, else bytes whatever the model) kept for the project's own
-run directories.
+`TokenizerError` -- never bytes in place of a vocabulary that is not bytes.
 """
 
 from __future__ import annotations
@@ -346,13 +344,3 @@ def for_model(directory: Optional[str], vocab_size: int):
       f"{where}, and its vocabulary of {vocab_size} ids is not the byte tokenizer's "
       f"({ByteTokenizer().vocab_size}): save the model's tokenizer.json beside its weights")
 
-
-def load(path: str | None):
-  """The tokenizer saved in `path` (a directory with tokenizer.json), else the byte tokenizer.
-
-  Lenient, for the project's own run directories, whose models were trained with one of the
-  two; `for_model` is the strict form that also checks the model's vocabulary.
-  """
-  if path and os.path.exists(os.path.join(path, TOKENIZER_FILE)):
-    return BPETokenizer.load(path)
-  return ByteTokenizer()

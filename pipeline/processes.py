@@ -29,6 +29,7 @@ import time
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from moe.config import ModelConfig
+from moe.tokenizer import TokenizerError
 from pipeline.config import PipelineConfig
 
 if TYPE_CHECKING:
@@ -97,17 +98,12 @@ def parse_step_lines(text: str) -> list[dict]:
   return out
 
 
-class TokenizerError(ValueError):
-  """A part's tokenizer cannot serve its model: no tokenizer.json where one was named, more ids
-  than the model's vocabulary, or not the tokenizer the learner's published weights use."""
-
-
 def load_tokenizer(tokenizer_dir: Optional[str]):
   """The tokenizer saved in `tokenizer_dir` (a directory holding tokenizer.json), or the byte
   tokenizer when `tokenizer_dir` is None.
 
   A named directory without tokenizer.json raises TokenizerError rather than falling back to
-  bytes as moe.tokenizer.load does: the caller asked for a trained tokenizer, and bytes in its
+  bytes: the caller asked for a trained tokenizer, and bytes in its
   place would be the wrong vocabulary for the model, silently.
   """
   from moe import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
@@ -183,14 +179,19 @@ def run_learner(workdir: str, model_cfg: ModelConfig, config: PipelineConfig,
   from rl.episodes import ValidationSpec  # pylint: disable=g-import-not-at-top
   from moe import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
   p = paths(workdir)
-  if tokenizer_dir is not None:
-    tok = load_tokenizer(tokenizer_dir)
-  else:
-    tok = tokenizer_lib.load(init_checkpoint)  # the one saved with the model, else bytes
-    if init_checkpoint and isinstance(tok, tokenizer_lib.BPETokenizer):
-      tokenizer_dir = init_checkpoint
   if init_checkpoint:
     model_cfg = moe_checkpoint.load_config(init_checkpoint)
+  if tokenizer_dir is not None:
+    tok = load_tokenizer(tokenizer_dir)
+  elif init_checkpoint:  # the one saved with the model; bytes only for a byte vocabulary
+    try:
+      tok = tokenizer_lib.for_model(init_checkpoint, model_cfg.vocab_size)
+    except TokenizerError as e:
+      raise TokenizerError(f"learner: {e}") from None
+    if isinstance(tok, tokenizer_lib.JsonTokenizer):
+      tokenizer_dir = init_checkpoint
+  else:
+    tok = tokenizer_lib.ByteTokenizer()
   check_tokenizer(tok, model_cfg, part="learner", tokenizer_dir=tokenizer_dir)
   init = moe_checkpoint.load_model(init_checkpoint) if init_checkpoint else None
   learner = learner_lib.build_learner(learner_config, model_cfg,

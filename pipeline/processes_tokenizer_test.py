@@ -146,8 +146,7 @@ def test_a_tokenizer_larger_than_the_model_is_refused(tmp_path, bpe, served):
   # The learner checks the tokenizer beside its init checkpoint against that checkpoint's model.
   model = _model_dir(tmp_path / "model", testing.MODEL.vocab_size, bpe)
   with pytest.raises(processes.TokenizerError,
-                     match=f"learner: the tokenizer \\({model}\\) has 300 ids but the model's "
-                           "vocab_size is 259"):
+                     match="learner: the tokenizer has 300 ids, more than the model's 259"):
     _learn(str(tmp_path / "work2"), init_checkpoint=model)
   assert not os.path.exists(tmp_path / "work2" / "weights")
 
