@@ -63,6 +63,23 @@ def load_suite(suite: str, split: Optional[str], task_file: Optional[str],
   return tasks
 
 
+def _check_fits(tasks, tokenizer, max_seq_len: int, *, max_tokens: int, mode: str) -> None:
+  """A flag error, before any engine is built, when a single-turn prompt (with BOS) plus
+  `max_tokens` exceeds the model's context: which task, how many positions, what to change."""
+  from envs.harness import attempts as attempts_lib  # pylint: disable=g-import-not-at-top
+  bos = int(tokenizer.bos_id is not None)
+  single = [t for t in tasks if attempts_lib.mode_of(t, mode) == "single_turn"]
+  if not single:
+    return
+  longest = max(single, key=lambda t: len(tokenizer.encode(t.prompt)))
+  need = len(tokenizer.encode(longest.prompt)) + bos + max_tokens
+  if need > max_seq_len:
+    raise configs.ConfigError(
+        f"task {longest.task_id}'s prompt and --max_tokens={max_tokens} need {need} positions, "
+        f"more than the model's max_seq_len of {max_seq_len}: lower --max_tokens, leave the "
+        "long tasks out (--limit, --task_file) or use a model with a longer context")
+
+
 @gin.configurable
 def eval_run(checkpoint: Optional[str] = None, hf_checkpoint: Optional[str] = None,
              random_init: bool = False, model_seed: int = 0, suite: str = "pyfunc",
@@ -93,6 +110,7 @@ def eval_run(checkpoint: Optional[str] = None, hf_checkpoint: Optional[str] = No
     tokenizer = tokenizer_lib.for_model(directory, model.config.vocab_size)
   except ValueError as e:  # moe.tokenizer.TokenizerError too
     raise configs.ConfigError(str(e)) from e
+  _check_fits(tasks, tokenizer, model.config.max_seq_len, max_tokens=max_tokens, mode=mode)
   print(f"evaluating on {len(tasks)} {suite} task(s), n={n}, k={tuple(k_list)}", flush=True)
 
   def progress(done, total):

@@ -70,6 +70,9 @@ def test_humaneval_with_a_tiny_random_model(tmp_path, capsys):
     (["--random_init=True", "--split=nope"], "no tasks"),
     (["--random_init=True", "--suite=humaneval", "--split=train"], "no tasks"),
     (["--checkpoint=/definitely/missing"], "does not exist"),
+    # HumanEval's longest prompt is 1360 bytes, beyond the tiny byte model's 512 positions.
+    (["--gin_file=moe/configs/tiny.gin", "--random_init=True", "--suite=humaneval"],
+     "more than the model's max_seq_len of 512"),
     (["--frobnicate=2"], "unknown flag --frobnicate"),
 ])
 def test_bad_flags(argv, message, capsys):
