@@ -7,6 +7,11 @@ BOS / EOS / pad roles its `tokenizer_config.json` names: what a real checkpoint 
 `BPETokenizer`: the project's byte-level BPE, trained on a generated corpus and saved as
 `tokenizer.json` beside the model; several bytes per position.
 
+A tokenizer loaded from a directory exposes the directory's chat template as `chat_template`
+(a `moe.chat_template.ChatTemplate`, None when there is none; always None for bytes):
+`tok.chat_template.render(messages)` is the prompt text of a conversation, and `tok.encode` of
+it the prompt ids, as transformers' `apply_chat_template` gives them.
+
 `for_model(directory, vocab_size)` is the one way to find a model's tokenizer (the server, the
 evaluation and the pipeline's parts use it): the model directory's `tokenizer.json`, else the
 byte tokenizer when the model's vocabulary is exactly the byte tokenizer's, else a
@@ -19,7 +24,9 @@ import dataclasses
 import json
 import logging
 import os
-from typing import Iterable, Optional
+from typing import ClassVar, Iterable, Optional
+
+from moe import chat_template as chat_template_lib
 
 NUM_BYTES = 256
 
@@ -29,6 +36,8 @@ class ByteTokenizer:
   """Bytes are ids 0..255; special tokens follow at 256, 257, ..."""
 
   special_tokens: tuple[str, ...] = ("<pad>", "<bos>", "<eos>")
+  # Byte models are the project's own; they come without a chat template.
+  chat_template: ClassVar[None] = None
 
   @property
   def vocab_size(self) -> int:
@@ -85,8 +94,8 @@ _log = logging.getLogger(__name__)
 
 class TokenizerError(ValueError):
   """A model's tokenizer cannot be had: a vocabulary that is not bytes with no tokenizer.json,
-  tokenizer files other than tokenizer.json, a role token missing from the vocabulary, or a
-  tokenizer with more ids than the model."""
+  tokenizer files other than tokenizer.json, a role token missing from the vocabulary, a
+  tokenizer with more ids than the model, or a chat template that cannot be read or compiled."""
 
 
 def is_byte_vocabulary(vocab_size: int) -> bool:
@@ -111,6 +120,14 @@ def _read_tokenizer_json(directory: str):
   if not os.path.isfile(path):
     raise FileNotFoundError(f"no tokenizer at {path}")
   return tokenizers.Tokenizer.from_file(path)
+
+
+def _load_chat_template(directory: str, config: Optional[dict]):
+  """`moe.chat_template.load`, its errors as TokenizerError (a broken checkpoint)."""
+  try:
+    return chat_template_lib.load(directory, config)
+  except chat_template_lib.ChatTemplateError as e:
+    raise TokenizerError(str(e)) from e
 
 
 def _read_config(directory: str) -> Optional[dict]:
@@ -146,12 +163,16 @@ class JsonTokenizer:
   `id_limit`: ids in [vocab_size, id_limit) -- rows a model's embedding has past its tokenizer,
   e.g. Qwen3's 151936 rows over 151669 ids -- decode to nothing, as in `tokenizers`; ids outside
   [0, id_limit) raise ValueError. Defaults to vocab_size.
+  `chat_template`: the directory's `moe.chat_template.ChatTemplate`, or None (see the module
+  docstring); `from_directory` and `for_model` load it.
   """
 
   def __init__(self, tok, *, bos_token: Optional[str] = None, eos_token: Optional[str] = None,
                pad_token: Optional[str] = None, skip_ids: Optional[Iterable[int]] = None,
-               id_limit: Optional[int] = None):
+               id_limit: Optional[int] = None,
+               chat_template: Optional[chat_template_lib.ChatTemplate] = None):
     self._tok = tok
+    self.chat_template = chat_template
     self._roles = {}
     for role, name in (("bos", bos_token), ("eos", eos_token), ("pad", pad_token)):
       if name is None:
@@ -171,22 +192,27 @@ class JsonTokenizer:
   @classmethod
   def from_directory(cls, directory: str, *, id_limit: Optional[int] = None) -> "JsonTokenizer":
     """A checkpoint's tokenizer: `directory/tokenizer.json` with the roles (bos_token,
-    eos_token, pad_token) of `directory/tokenizer_config.json` when there is one.
+    eos_token, pad_token) of `directory/tokenizer_config.json` when there is one, and the
+    directory's chat template (`moe.chat_template.load`).
 
     Raises:
       FileNotFoundError: no tokenizer.json in `directory`.
-      TokenizerError: an unreadable tokenizer_config.json, or a role token not in the vocabulary.
+      TokenizerError: an unreadable tokenizer_config.json, a role token not in the vocabulary,
+        or a chat template that cannot be read or compiled.
     """
-    return cls._from_files(_read_tokenizer_json(directory), _read_config(directory) or {},
-                           id_limit)
+    config = _read_config(directory) or {}
+    return cls._from_files(_read_tokenizer_json(directory), config, id_limit,
+                           _load_chat_template(directory, config))
 
   @classmethod
-  def _from_files(cls, tok, config: dict, id_limit: Optional[int]) -> "JsonTokenizer":
+  def _from_files(cls, tok, config: dict, id_limit: Optional[int],
+                  chat_template: Optional[chat_template_lib.ChatTemplate] = None
+                  ) -> "JsonTokenizer":
     special = [i for i, t in tok.get_added_tokens_decoder().items() if t.special]
     return cls(tok, bos_token=_token_content(config.get("bos_token")),
                eos_token=_token_content(config.get("eos_token")),
                pad_token=_token_content(config.get("pad_token")), skip_ids=special,
-               id_limit=id_limit)
+               id_limit=id_limit, chat_template=chat_template)
 
   @property
   def vocab_size(self) -> int:
@@ -308,7 +334,7 @@ def for_model(directory: Optional[str], vocab_size: int):
   * `directory/tokenizer.json` -> the project's `BPETokenizer` when it has the project's pad, bos
     and eos and no tokenizer_config.json beside it (a checkpoint's own names its roles there),
     else `JsonTokenizer.from_directory`. Ids the model has past the tokenizer's decode to
-    nothing.
+    nothing. Either carries the directory's chat template, if it has one (`chat_template`).
   * no tokenizer files, and the model's vocabulary is exactly the byte tokenizer's (see
     `is_byte_vocabulary`) -> `ByteTokenizer`, and a log line says so.
 
@@ -316,7 +342,7 @@ def for_model(directory: Optional[str], vocab_size: int):
     TokenizerError: anything else: a vocabulary that is not bytes and no tokenizer.json (a model
       served or evaluated through bytes it was not trained on would produce garbage, silently),
       tokenizer files other than tokenizer.json (named, with how to convert them), or a
-      tokenizer with more ids than the model.
+      tokenizer with more ids than the model, or a chat template that cannot be read or compiled.
   """
   if directory and os.path.isfile(os.path.join(directory, TOKENIZER_FILE)):
     tok, config = _read_tokenizer_json(directory), _read_config(directory)
@@ -325,6 +351,7 @@ def for_model(directory: Optional[str], vocab_size: int):
       out = BPETokenizer(tok, id_limit=vocab_size)
     else:
       out = JsonTokenizer._from_files(tok, config or {}, vocab_size)  # pylint: disable=protected-access
+    out.chat_template = _load_chat_template(directory, config)
     _log.info("%s: tokenizer.json, %d ids (the model has %d)", directory, out.vocab_size,
               vocab_size)
     return out

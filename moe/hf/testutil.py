@@ -77,10 +77,60 @@ TOKENIZER_TEXTS = ("def add(a, b):\n    return a + b\n", "print('hello world')\n
                    "<|im_start|>user\nfix the bug<|im_end|>\n", "naïve café: ∑ 🙂\n") * 8
 
 
-def bpe_tokenizer(texts=TOKENIZER_TEXTS, vocab_size: int = 320):
+# A chat template in the style of Qwen3's (written for these tests, not copied): a leading system
+# turn, <|im_start|>/<|im_end|> turns, tool results as user turns, reasoning shown only for the
+# assistant turns after the last user query, `namespace` state, `raise_exception` on a bad
+# conversation, and the generation prompt (with an empty think block for enable_thinking=false).
+QWEN3_STYLE_TEMPLATE = """\
+{%- if messages[0].role == 'system' %}
+    {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- endif %}
+{%- set ns = namespace(last_query=-1) %}
+{%- for message in messages[::-1] %}
+    {%- if ns.last_query < 0 and message.role == 'user' %}
+        {%- set ns.last_query = messages|length - 1 - loop.index0 %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if message.role == 'system' %}
+        {%- if not loop.first %}
+            {{- raise_exception('the system message must come first') }}
+        {%- endif %}
+    {%- elif message.role == 'user' %}
+        {{- '<|im_start|>user\n' + message.content + '<|im_end|>\n' }}
+    {%- elif message.role == 'assistant' %}
+        {%- set content = message.content if message.content is string else '' %}
+        {%- set reasoning = message.reasoning_content if message.reasoning_content is string else '' %}
+        {%- if not reasoning and '</think>' in content %}
+            {%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\n') %}
+            {%- set content = content.split('</think>')[-1].lstrip('\n') %}
+        {%- endif %}
+        {{- '<|im_start|>assistant\n' }}
+        {%- if loop.index0 > ns.last_query and reasoning %}
+            {{- '<think>\n' + reasoning + '\n</think>\n\n' }}
+        {%- endif %}
+        {{- content + '<|im_end|>\n' }}
+    {%- elif message.role == 'tool' %}
+        {{- '<|im_start|>user\n<tool_response>\n' + message.content + '\n</tool_response><|im_end|>\n' }}
+    {%- else %}
+        {{- raise_exception('unknown role: ' + message.role) }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and not enable_thinking %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}
+"""
+
+
+def bpe_tokenizer(texts=TOKENIZER_TEXTS, vocab_size: int = 320,
+                  chat_template: str = QWEN3_STYLE_TEMPLATE):
   """A tiny byte-level BPE trained with `tokenizers` on `texts`, wrapped as transformers'
   `PreTrainedTokenizerFast` the way a Qwen-style checkpoint ships one: `<|endoftext|>` is the EOS
-  and pad token, `<|im_start|>` / `<|im_end|>` are special added tokens, and there is no BOS.
+  and pad token, `<|im_start|>` / `<|im_end|>` are special added tokens, there is no BOS, and
+  `chat_template` (default `QWEN3_STYLE_TEMPLATE`) is its chat template.
   `save_pretrained(dir)` writes tokenizer.json, tokenizer_config.json and chat_template.jinja."""
   import tokenizers  # pylint: disable=g-import-not-at-top
   from tokenizers import decoders, models, pre_tokenizers, trainers  # pylint: disable=g-import-not-at-top
@@ -94,8 +144,7 @@ def bpe_tokenizer(texts=TOKENIZER_TEXTS, vocab_size: int = 320):
   tok.train_from_iterator(list(texts), trainer)
   fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
                                               pad_token="<|endoftext|>")
-  fast.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
-                        "<|im_end|>\n{% endfor %}")
+  fast.chat_template = chat_template
   return fast
 
 
