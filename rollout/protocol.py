@@ -2,9 +2,11 @@
 
 What: `parse_completion_request(body, tokenizer, vocab_size)` turns a decoded JSON body of
 `POST /v1/completions` into prompts (token-id lists) and `SamplingParams`, raising `BadRequest`
-with a message that names the offending field; `choice_json` / `chunk_json` build the response
-objects, adding the sampler's extra fields (`token_ids`, `prompt_token_ids`, `routing`,
-`policy_version`, `policy_versions`, `prompt_routing`) next to the OpenAI ones.
+with a message that names the offending field; `parse_sampling` is the part chat completions
+share (`rollout.chat_protocol`). `CompletionsFormat` (with `choice_json`, `logprobs_json`) builds
+the response objects and stream chunks, adding the sampler's extra fields (`token_ids`,
+`prompt_token_ids`, `routing`, `policy_version`, `policy_versions`, `prompt_routing`) next to the
+OpenAI ones; `usage_json` the usage of both endpoints.
 
 Why strict: RL clients and users both send to this endpoint; an unknown or mistyped field is far
 more often a bug than an intent, so it is rejected (400) rather than silently ignored.
@@ -78,7 +80,8 @@ def _bool(body, name, default):
   return v
 
 
-def _token_list(x, vocab_size: int, where: str) -> list:
+def token_list(x, vocab_size: int, where: str) -> list:
+  """`x` as a non-empty list of token ids in the vocabulary (BadRequest naming `where`)."""
   if not x:
     raise BadRequest(f"{where} is empty")
   for i, t in enumerate(x):
@@ -100,20 +103,20 @@ def parse_prompts(prompt: Any, tokenizer, vocab_size: int) -> list:
       raise BadRequest(f"{where} is not valid Unicode: a lone surrogate at character "
                        f"{e.start}") from None
     ids = tokenizer.encode(s)
-    return _token_list(ids, vocab_size, f"{where} (encoded)")
+    return token_list(ids, vocab_size, f"{where} (encoded)")
 
   if isinstance(prompt, str):
     return [text(prompt, "'prompt'")]
   if isinstance(prompt, list) and prompt:
     if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-      return [_token_list(prompt, vocab_size, "'prompt'")]
+      return [token_list(prompt, vocab_size, "'prompt'")]
     out = []
     for i, p in enumerate(prompt):
       where = f"'prompt'[{i}]"
       if isinstance(p, str):
         out.append(text(p, where))
       elif isinstance(p, list):
-        out.append(_token_list(p, vocab_size, where))
+        out.append(token_list(p, vocab_size, where))
       else:
         raise BadRequest(f"{where} must be a string or a list of token ids, got {show(p)}")
     return out
@@ -131,55 +134,55 @@ def _count_prompts(prompt: Any) -> int:
   return 1
 
 
-def parse_completion_request(body: Any, tokenizer, vocab_size: int,
-                             max_tokens_limit: int,
-                             max_completions: int = MAX_COMPLETIONS_PER_REQUEST) -> dict:
-  """Validates a completions request.
-
-  `max_completions` caps prompts x n; it is checked before any text prompt is tokenized.
-
-  Returns:
-    dict(prompts=[token-id lists], params=SamplingParams, stream=bool, timeout=float or None, return_routing=bool, return_prompt_routing=bool, model=str or None).
-
-  Raises:
-    BadRequest: with a message naming the field.
-  """
+def check_fields(body: Any, accepted: set) -> None:
+  """The body is a JSON object with no field outside `accepted` (BadRequest naming them)."""
   if not isinstance(body, dict):
     raise BadRequest("the request body must be a JSON object")
-  unknown = sorted(set(body) - _OPENAI_FIELDS - _EXTRA_FIELDS)
+  unknown = sorted(set(body) - accepted)
   if unknown:
     names = ", ".join(show(k) for k in unknown[:5]) + (
         f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
-    raise BadRequest(f"unknown field(s) {names}; accepted: "
-                     f"{sorted(_OPENAI_FIELDS | _EXTRA_FIELDS)}")
-  if "prompt" not in body:
-    raise BadRequest("'prompt' is required")
+    raise BadRequest(f"unknown field(s) {names}; accepted: {sorted(accepted)}")
+
+
+def parse_n(body: dict) -> int:
+  return _int(body, "n", 1, 1, MAX_N)
+
+
+def parse_max_tokens(body: dict, name: str, default: Optional[int], limit: int) -> Optional[int]:
+  """`body[name]`, an integer in [1, limit] (the context less one prompt token)."""
+  return _int(body, name, default, 1, limit)
+
+
+def parse_sampling(body: dict, tokenizer, vocab_size: int, *, n: int, max_tokens: int,
+                   logprobs: int) -> dict:
+  """The fields completions and chat completions share: sampling settings, stop strings and ids,
+  streaming, timeout and the sampler's extras.
+
+  Args:
+    body: the request (its fields already checked against the endpoint's accepted set).
+    n, max_tokens, logprobs: parsed by the endpoint (their spelling differs between the two).
+
+  Returns:
+    dict(params=SamplingParams, stream=bool, include_usage=bool, timeout=float or None,
+    return_routing=bool, return_prompt_routing=bool, model=str or None).
+  """
   model = body.get("model")
   if model is not None and not isinstance(model, str):
     raise BadRequest("'model' must be a string")
-  n = _int(body, "n", 1, 1, MAX_N)
-  count = _count_prompts(body["prompt"]) * n
-  if count > max_completions:
-    raise BadRequest(f"'prompt' x 'n' asks for {count} completions; at most {max_completions} "
-                     "per request (send several requests)")
-  prompts = parse_prompts(body["prompt"], tokenizer, vocab_size)
-  best_of = _int(body, "best_of", None, 1)
-  if best_of is not None and best_of != n:
-    raise BadRequest("'best_of' is not supported (it must equal 'n' when given)")
-  max_tokens = _int(body, "max_tokens", 16, 1, max_tokens_limit)
-  logprobs = _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
-  if _bool(body, "echo", False):
-    raise BadRequest("'echo' is not supported")
   for name in ("presence_penalty", "frequency_penalty"):
     if _num(body, name, 0.0, -2.0, 2.0) != 0.0:
       raise BadRequest(f"'{name}' is not supported (only 0)")
   if body.get("logit_bias"):
     raise BadRequest("'logit_bias' is not supported")
-  if body.get("suffix") is not None:
-    raise BadRequest("'suffix' is not supported")
   so = body.get("stream_options")
   if so is not None and not isinstance(so, dict):
     raise BadRequest("'stream_options' must be an object")
+  so = so or {}
+  if set(so) - {"include_usage"}:
+    raise BadRequest(f"'stream_options' takes only 'include_usage', got "
+                     f"{show(sorted(so, key=str))}")
+  include_usage = _bool(so, "include_usage", False)
   stop = body.get("stop")
   if stop is None:
     stop = []
@@ -197,7 +200,7 @@ def parse_completion_request(body: Any, tokenizer, vocab_size: int,
   if not isinstance(stop_ids, list):
     raise BadRequest(f"'stop_token_ids' must be a list of token ids, got {show(stop_ids)}")
   if stop_ids:
-    _token_list(stop_ids, vocab_size, "'stop_token_ids'")
+    token_list(stop_ids, vocab_size, "'stop_token_ids'")
   seed = body.get("seed")
   if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
     raise BadRequest(f"'seed' must be an integer, got {show(seed)}")
@@ -214,14 +217,51 @@ def parse_completion_request(body: Any, tokenizer, vocab_size: int,
         n=n, max_tokens=max_tokens, temperature=_num(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_num(body, "top_p", 1.0, 1e-9, 1.0), top_k=_int(body, "top_k", 0, 0),
         stop_token_ids=tuple(stop_ids), stop=tuple(stop), seed=seed,
-        ignore_eos=_bool(body, "ignore_eos", False), logprobs=logprobs or 0)
+        ignore_eos=_bool(body, "ignore_eos", False), logprobs=logprobs)
   except ValueError as e:
     msg = str(e)  # names the field; kept short should it quote a client's value
     raise BadRequest(msg if len(msg) <= 300 else msg[:300] + "...") from None
-  return {"prompts": prompts, "params": params, "stream": _bool(body, "stream", False),
-          "timeout": timeout,
+  return {"params": params, "stream": _bool(body, "stream", False),
+          "include_usage": include_usage, "timeout": timeout,
           "return_routing": _bool(body, "return_routing", True),
           "return_prompt_routing": _bool(body, "return_prompt_routing", False), "model": model}
+
+
+def parse_completion_request(body: Any, tokenizer, vocab_size: int,
+                             max_tokens_limit: int,
+                             max_completions: int = MAX_COMPLETIONS_PER_REQUEST) -> dict:
+  """Validates a completions request.
+
+  `max_completions` caps prompts x n; it is checked before any text prompt is tokenized.
+
+  Returns:
+    `parse_sampling`'s dict and prompts=[token-id lists].
+
+  Raises:
+    BadRequest: with a message naming the field.
+  """
+  check_fields(body, _OPENAI_FIELDS | _EXTRA_FIELDS)
+  if "prompt" not in body:
+    raise BadRequest("'prompt' is required")
+  n = parse_n(body)
+  count = _count_prompts(body["prompt"]) * n
+  if count > max_completions:
+    raise BadRequest(f"'prompt' x 'n' asks for {count} completions; at most {max_completions} "
+                     "per request (send several requests)")
+  prompts = parse_prompts(body["prompt"], tokenizer, vocab_size)
+  best_of = _int(body, "best_of", None, 1)
+  if best_of is not None and best_of != n:
+    raise BadRequest("'best_of' is not supported (it must equal 'n' when given)")
+  max_tokens = parse_max_tokens(body, "max_tokens", 16, max_tokens_limit)
+  logprobs = _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+  if _bool(body, "echo", False):
+    raise BadRequest("'echo' is not supported")
+  if body.get("suffix") is not None:
+    raise BadRequest("'suffix' is not supported")
+  req = parse_sampling(body, tokenizer, vocab_size, n=n, max_tokens=max_tokens,
+                       logprobs=logprobs or 0)
+  req["prompts"] = prompts
+  return req
 
 
 def _token_str(tokenizer, t: int) -> str:
@@ -273,6 +313,53 @@ def choice_json(index: int, completion, tokenizer, *, return_routing: bool,
     out["prompt_routing"] = (completion.prompt_routing.tolist()
                              if completion.prompt_routing is not None else None)
   return out
+
+
+def usage_json(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+  """OpenAI's `usage`. `prompt_tokens` counts a request's prompt once per completion, and
+  `cached_tokens` (of those, the ones the prefix cache served) the same way."""
+  return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+          "total_tokens": prompt_tokens + completion_tokens,
+          "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def _versions(completion) -> dict:
+  versions = list(completion.policy_versions) if completion is not None else []
+  return {"policy_version": versions[-1] if versions else None, "policy_versions": versions}
+
+
+class CompletionsFormat:
+  """How `/v1/completions` shapes its answers (`rollout.server` and `rollout.streaming` build
+  every response through such a format; `rollout.chat_protocol.ChatFormat` is the chat one).
+
+  Streaming: `token_chunk` per engine chunk of a choice, `final_chunk` once per choice (the rest
+  of its text, finish reason, versions and routing; `completion` None when the engine failed or
+  timed out). `first` is true for the first chunk sent for a choice.
+  """
+  object = "text_completion"
+  chunk_object = "text_completion"
+  id_prefix = "cmpl"
+
+  def choice(self, index: int, completion, tokenizer, req: dict, prompt_token_ids) -> dict:
+    return choice_json(index, completion, tokenizer, return_routing=req["return_routing"],
+                       return_prompt_routing=req["return_prompt_routing"],
+                       prompt_token_ids=prompt_token_ids)
+
+  def token_chunk(self, index: int, text: str, token_ids: list, logprobs: list, tokenizer,
+                  req: dict, first: bool) -> dict:
+    del req, first  # the same for every chunk
+    return {"index": index, "text": text, "token_ids": token_ids,
+            "logprobs": logprobs_json(tokenizer, token_ids, logprobs), "finish_reason": None}
+
+  def final_chunk(self, index: int, text: str, finish_reason: str, completion, req: dict,
+                  first: bool) -> dict:
+    del first
+    out = {"index": index, "text": text, "token_ids": [], "logprobs": None,
+           "finish_reason": finish_reason, **_versions(completion)}
+    if req["return_routing"]:
+      out["routing"] = (completion.routing.tolist()
+                        if completion is not None and completion.routing is not None else None)
+    return out
 
 
 def error_json(message: str, kind: str = "invalid_request_error",

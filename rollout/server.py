@@ -1,10 +1,16 @@
-"""HTTP front end of the sampler: OpenAI-compatible completions, health, metrics, admin swaps.
+"""HTTP front end of the sampler: OpenAI-compatible completions and chat completions, health,
+metrics, admin swaps.
 
 What:
-  * public app: `POST /v1/completions` (plain or `stream: true` server-sent events),
-    `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text);
+  * public app: `POST /v1/completions` and `POST /v1/chat/completions` (plain or `stream: true`
+    server-sent events), `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text);
   * admin app (`rollout.admin`), on its own port: weight swaps and swap status. Streaming is
     `rollout.streaming`; the error bodies both apps share are `rollout.http_common`.
+
+One path for both endpoints: each parses its body into prompt ids and sampling settings
+(`protocol.parse_completion_request`; `chat_protocol.parse_chat_request` renders the messages
+through the checkpoint's chat template first), then `_generate` queues, awaits or streams, and
+answers through the endpoint's format (`protocol.CompletionsFormat`, `chat_protocol.ChatFormat`).
 
 Load handling: the engine's queue is bounded -- a full queue answers 429 with Retry-After; each
 request may carry a `timeout` (default --request_timeout) after which it is ended and answered
@@ -26,6 +32,7 @@ from typing import Callable, Optional, Sequence
 from aiohttp import web
 
 from rollout import admin as admin_lib
+from rollout import chat_protocol
 from rollout import http_common
 from rollout import metrics as metrics_lib
 from rollout import protocol
@@ -88,6 +95,7 @@ class Server:
   def app(self) -> web.Application:
     app = web.Application(middlewares=[http_common.errors], client_max_size=8 * 1024 * 1024)
     app.router.add_post("/v1/completions", self.completions)
+    app.router.add_post("/v1/chat/completions", self.chat_completions)
     app.router.add_get("/v1/models", self.models)
     app.router.add_get("/health", self.health)
     app.router.add_get("/metrics", self.metrics)
@@ -159,13 +167,30 @@ class Server:
     return _json_error(400, message)
 
   def _parse(self, raw: bytes) -> dict:
-    """The validated request (protocol.BadRequest otherwise); runs in an executor thread."""
+    """The validated completions request (protocol.BadRequest otherwise); runs in an executor
+    thread."""
     eng = self.engine
     return protocol.parse_completion_request(
         http_common.parse_json(raw), self.tokenizer, eng.model_config.vocab_size,
         max_tokens_limit=eng.max_len - 1, max_completions=self.max_completions_per_request)
 
+  def _parse_chat(self, raw: bytes) -> dict:
+    """The validated chat request, its messages rendered and encoded (protocol.BadRequest
+    otherwise); runs in an executor thread."""
+    eng = self.engine
+    return chat_protocol.parse_chat_request(
+        http_common.parse_json(raw), self.tokenizer, eng.model_config.vocab_size,
+        max_tokens_limit=eng.max_len - 1, max_completions=self.max_completions_per_request)
+
   async def completions(self, request) -> web.StreamResponse:
+    return await self._generate(request, self._parse, protocol.CompletionsFormat())
+
+  async def chat_completions(self, request) -> web.StreamResponse:
+    return await self._generate(request, self._parse_chat, chat_protocol.ChatFormat())
+
+  async def _generate(self, request, parse: Callable[[bytes], dict],
+                      fmt) -> web.StreamResponse:
+    """Parses (`parse`), queues, then answers through `fmt`, streamed or not."""
     if request.content_type != "application/json":
       return _json_error(415, "the body must be JSON sent as Content-Type: application/json, "
                               f"got {protocol.show(request.content_type)}")
@@ -173,9 +198,10 @@ class Server:
     eng = self.engine
     loop = asyncio.get_running_loop()
     try:
-      # Off the event loop: decoding and tokenizing megabytes of JSON and text takes long enough
-      # to stall every other request and /health, even when the request is then refused.
-      req = await loop.run_in_executor(None, self._parse, raw)
+      # Off the event loop: decoding and tokenizing megabytes of JSON and text (and rendering a
+      # chat template) takes long enough to stall every other request and /health, even when
+      # the request is then refused.
+      req = await loop.run_in_executor(None, parse, raw)
     except protocol.BadRequest as e:
       return self._bad(str(e))
     timeout = req["timeout"] if req["timeout"] is not None else self.request_timeout
@@ -196,15 +222,16 @@ class Server:
                          headers={"Retry-After": str(RETRY_AFTER_S)})
     except EngineStopped as e:
       return _json_error(503, str(e), "server_error")
-    rid = f"cmpl-{uuid.uuid4().hex}"
+    rid = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
     created = int(time.time())
+    model = req["model"] or self.model_name
     # The engine answers a request by its timeout; this bound holds even if its loop is stuck.
     deadline = None if timeout is None else loop.time() + timeout + TIMEOUT_GRACE_S
     futures = [asyncio.wrap_future(h.future) for h in handles]
     try:
       if req["stream"]:
         return await streaming.stream(request, self.tokenizer, req, handles, events, rid,
-                                      created, req["model"] or self.model_name, deadline)
+                                      created, model, deadline, fmt)
       # asyncio.wait, not gather/wait_for: it never cancels the engine's futures, which the
       # engine thread completes itself once the handles are cancelled.
       _, pending = await asyncio.wait(
@@ -231,22 +258,16 @@ class Server:
       self.http_stats["http_504_total"] += 1
       return _json_error(504, f"request timed out after {timeout} s", "timeout_error")
     n = req["params"].n
-    choices = [protocol.choice_json(pi * n + c.index, c, self.tokenizer,
-                                    return_routing=req["return_routing"],
-                                    return_prompt_routing=req["return_prompt_routing"],
-                                    prompt_token_ids=req["prompts"][pi])
+    choices = [fmt.choice(pi * n + c.index, c, self.tokenizer, req, req["prompts"][pi])
                for pi, r in enumerate(results) for c in r]
-    prompt_tokens = sum(len(p) for p in req["prompts"]) * n
-    completion_tokens = sum(len(c.token_ids) for r in results for c in r)
-    # OpenAI's field; counted like prompt_tokens, once per completion (its request's prompt
-    # tokens that the prefix cache served).
-    cached_tokens = sum(c.cached_tokens for r in results for c in r)
-    return web.json_response({
-        "id": rid, "object": "text_completion", "created": created,
-        "model": req["model"] or self.model_name, "choices": choices,
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens,
-                  "prompt_tokens_details": {"cached_tokens": cached_tokens}}})
+    # OpenAI's cached_tokens is counted like prompt_tokens, once per completion (its request's
+    # prompt tokens that the prefix cache served).
+    usage = protocol.usage_json(sum(len(p) for p in req["prompts"]) * n,
+                                sum(len(c.token_ids) for r in results for c in r),
+                                sum(c.cached_tokens for r in results for c in r))
+    return web.json_response({"id": rid, "object": fmt.object, "created": created,
+                              "model": model, "choices": choices, "usage": usage})
+
 
 def serve(engine: Engine, *, host: str = "127.0.0.1", port: int = 8000,
           admin_port: Optional[int] = None, admin_host: str = "127.0.0.1",

@@ -106,6 +106,27 @@ def test_streaming_matches_plain(client):
   assert reasons[-1] == "length" and all(r is None for r in reasons[:-1])
 
 
+def test_streamed_usage_when_asked(client):
+  """`stream_options.include_usage`: one last event with no choices and the plain answer's
+  usage (token ids counted as streamed)."""
+  kw = dict(model="tiny", prompt=["Hi there", "Bye"], max_tokens=7, n=2, temperature=1.0,
+            seed=4, extra_body={"ignore_eos": True})
+  plain = client.completions.create(**kw)
+  chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True},
+                                          **kw))
+  assert chunks[-1].choices == [] and all(c.choices for c in chunks[:-1])
+  assert chunks[-1].usage.prompt_tokens == plain.usage.prompt_tokens == 2 * (8 + 3)
+  assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens == 4 * 7
+  assert all(c.usage is None for c in client.completions.create(stream=True, **kw))
+
+
+def test_chat_on_a_model_without_a_chat_template_is_400(live):
+  """The byte-level model has no chat template: chat requests are refused, saying so."""
+  status, out, _ = _post(live.port, "/v1/chat/completions",
+                         {"messages": [{"role": "user", "content": "hi"}]})
+  assert status == 400 and "this model has no chat template" in out["error"]["message"]
+
+
 @pytest.mark.parametrize("body,fragment", [
     ({"prompt": [1, 2], "max_tokens": -3}, "max_tokens"),
     ({"prompt": [1, 2], "max_tokens": 10**9}, "max_tokens"),

@@ -1,8 +1,10 @@
-"""Server-sent-event streaming of `/v1/completions` (`stream: true`).
+"""Server-sent-event streaming of `/v1/completions` and `/v1/chat/completions` (`stream: true`).
 
 What: `stream(request, ...)` writes one `data:` event per engine chunk (new token ids, their
 logprobs and the text they settle), then one final event per choice (the rest of its text, finish
-reason, policy versions, routing), then `data: [DONE]`. The engine thread feeds `events` through
+reason, policy versions, routing), then, when asked, one with the `usage`, then `data: [DONE]`.
+The endpoint's format (`protocol.CompletionsFormat`, `chat_protocol.ChatFormat`) shapes each
+choice's events; what is sent when is the same for both. The engine thread feeds `events` through
 `loop.call_soon_threadsafe`; this coroutine only reads it.
 
 Text: each choice's text goes through `rollout.detokenize.IncrementalText`, so the streamed
@@ -33,9 +35,14 @@ log = logging.getLogger(__name__)
 
 
 async def stream(request, tokenizer, req: dict, handles: list, events: asyncio.Queue, rid: str,
-                 created: int, model: str,
-                 deadline: Optional[float] = None) -> web.StreamResponse:
-  """Streams the completions of `handles` (one per prompt of `req`) as server-sent events."""
+                 created: int, model: str, deadline: Optional[float] = None,
+                 fmt=protocol.CompletionsFormat()) -> web.StreamResponse:
+  """Streams the completions of `handles` (one per prompt of `req`) as server-sent events.
+
+  `fmt` shapes each choice's chunks (`protocol.CompletionsFormat` or
+  `chat_protocol.ChatFormat`); with `req["include_usage"]` a last event before `[DONE]` carries
+  no choices and the request's `usage`, as OpenAI's `stream_options.include_usage` asks.
+  """
   loop = asyncio.get_running_loop()
   resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                      "Cache-Control": "no-cache"})
@@ -43,13 +50,19 @@ async def stream(request, tokenizer, req: dict, handles: list, events: asyncio.Q
   n = req["params"].n
   order = {h.id: pi for pi, h in enumerate(handles)}
   texts = {}  # choice index -> IncrementalText
+  started = set()  # choices with a chunk sent
   ended = set()
+  streamed = {}  # choice index -> token ids sent
   total = len(handles) * n
 
-  async def send(choice: dict) -> None:
-    payload = {"id": rid, "object": "text_completion", "created": created, "model": model,
-               "choices": [choice]}
+  async def send(payload: dict) -> None:
+    payload = {"id": rid, "object": fmt.chunk_object, "created": created, "model": model,
+               **payload}
     await resp.write(f"data: {json.dumps(payload)}\n\n".encode())
+
+  async def send_choice(idx: int, choice: dict) -> None:
+    started.add(idx)
+    await send({"choices": [choice]})
 
   def left() -> Optional[float]:
     return None if deadline is None else max(0.0, deadline - loop.time())
@@ -68,9 +81,9 @@ async def stream(request, tokenizer, req: dict, handles: list, events: asyncio.Q
         texts[idx] = detokenize.IncrementalText(tokenizer, req["params"].stop)
       text = texts[idx].push(toks)
     if toks:
-      await send({"index": idx, "text": text, "token_ids": toks,
-                  "logprobs": protocol.logprobs_json(tokenizer, toks, lps),
-                  "finish_reason": None})
+      streamed[idx] = streamed.get(idx, 0) + len(toks)
+      await send_choice(idx, fmt.token_chunk(idx, text, toks, lps, tokenizer, req,
+                                             idx not in started))
     if reason is not None:
       ended.add(idx)
   futures = [asyncio.wrap_future(h.future) for h in handles]
@@ -81,6 +94,7 @@ async def stream(request, tokenizer, req: dict, handles: list, events: asyncio.Q
   if timed_out:
     for h in handles:
       h.cancel()
+  cached = 0
   for pi, f in enumerate(futures):
     results = failure = None
     if not f.done():
@@ -92,13 +106,10 @@ async def stream(request, tokenizer, req: dict, handles: list, events: asyncio.Q
     for c in range(n):
       idx = pi * n + c
       if results is None:
-        final = {"index": idx, "text": "", "token_ids": [], "logprobs": None,
-                 "finish_reason": failure, "policy_version": None, "policy_versions": []}
-        if req["return_routing"]:
-          final["routing"] = None
-        await send(final)
+        await send_choice(idx, fmt.final_chunk(idx, "", failure, None, req, idx not in started))
         continue
       comp = results[c]
+      cached += comp.cached_tokens
       rest = comp.text
       if idx in texts:
         try:
@@ -106,13 +117,12 @@ async def stream(request, tokenizer, req: dict, handles: list, events: asyncio.Q
         except ValueError:
           log.error("choice %d of %s: streamed text is not a prefix of its text", idx, rid)
           rest = ""
-      final = {"index": idx, "text": rest, "token_ids": [], "logprobs": None,
-               "finish_reason": comp.finish_reason,
-               "policy_version": comp.policy_versions[-1] if comp.policy_versions else None,
-               "policy_versions": comp.policy_versions}
-      if req["return_routing"]:
-        final["routing"] = comp.routing.tolist() if comp.routing is not None else None
-      await send(final)
+      await send_choice(idx, fmt.final_chunk(idx, rest, comp.finish_reason, comp, req,
+                                             idx not in started))
+  if req.get("include_usage"):
+    # Tokens as streamed (all of them, also for a choice that failed part way).
+    await send({"choices": [], "usage": protocol.usage_json(
+        sum(len(p) for p in req["prompts"]) * n, sum(streamed.values()), cached)})
   await resp.write(b"data: [DONE]\n\n")
   await resp.write_eof()
   return resp
