@@ -9,7 +9,10 @@ them). gin is used only here, at the edge; `rollout.loading.load_engine` takes p
 
 Text prompts are encoded, and completions decoded, with the checkpoint's own tokenizer (its
 `tokenizer.json`, e.g. one saved by transformers); bytes only for a model whose vocabulary is the
-byte tokenizer's. A checkpoint with neither does not start (`moe.tokenizer.for_model`).
+byte tokenizer's. A checkpoint with neither does not start (`moe.tokenizer.for_model`). Its chat
+template (`chat_template.jinja`, or tokenizer_config.json's `chat_template`) renders the messages
+of `/v1/chat/completions`; without one, chat requests are a 400. `/v1/models` names the model by
+its checkpoint directory (`served_model_name`).
 
 The admin app (weight swaps, `rollout.admin`) listens on `--admin_host` (loopback by default,
 whatever `--host` is) at `--admin_port` and always requires a token: `--admin_token`,
@@ -59,7 +62,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   p.add_argument("--max_delta_bytes", type=int, default=None,
                  help="body limit of /admin/swap_delta (default: twice the weights' bytes "
                       "plus 1 MiB)")
-  p.add_argument("--model_name", default=None, help="name reported by /v1/models")
+  p.add_argument("--model_name", default=None,
+                 help="name reported by /v1/models (default: the checkpoint directory's name)")
   p.add_argument("--max_slots", type=int, default=None)
   p.add_argument("--max_len", type=int, default=None, help="context length (KV cache per slot)")
   p.add_argument("--decode_steps", type=int, default=None)
@@ -89,14 +93,29 @@ def build_engine(args: argparse.Namespace) -> Engine:
     raise SystemExit(f"error: {e}") from e
 
 
+RANDOM_INIT_NAME = "random-init"
+
+
+def served_model_name(args: argparse.Namespace) -> str:
+  """What /v1/models calls the served model: `--model_name`, else the checkpoint directory's
+  name (what clients know a checkpoint by, e.g. "Qwen3-30B-A3B"), else, for a random-init
+  preset, `RANDOM_INIT_NAME` -- never a gin file's name, which says nothing of the weights
+  (`--gin_file=tools/configs/runs/serve.gin` would name every model "serve.gin")."""
+  if args.model_name:
+    return args.model_name
+  directory = args.hf_checkpoint or args.checkpoint
+  if directory:
+    return os.path.basename(os.path.normpath(os.path.abspath(directory)))
+  return RANDOM_INIT_NAME
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
   logging.basicConfig(level=logging.INFO)
   args = parse_args(argv)
   engine = build_engine(args)
   admin_port = args.port + 1 if args.admin_port is None else args.admin_port
   cfg = engine.model_config
-  name = args.model_name or os.path.basename(os.path.normpath(
-      args.hf_checkpoint or args.checkpoint or (args.gin_file or ["moe"])[-1]))
+  name = served_model_name(args)
   server_lib.serve(engine, host=args.host, port=args.port,
                    admin_port=None if admin_port < 0 else admin_port, admin_host=args.admin_host,
                    model_name=name, admin_token=args.admin_token,

@@ -1,7 +1,7 @@
 """//tools:serve's command line: model presets and engine settings from gin files, `--gin.X=V`
 bindings and flags (flags win), the old binding spelling refused, the binary's admin token
-(generated, in a 0600 file the start-up line names), and the binary serving a checkpoint saved by
-transformers with its own tokenizer.
+(generated, in a 0600 file the start-up line names), the served model's name (its checkpoint's),
+and the binary serving a checkpoint saved by transformers with its own tokenizer and chat template.
 
 The binary runs as a process the way Bazel runs it (`_start`): under `bazel test` the
 `//tools:serve` binary itself; outside Bazel what its stub executes, the toolchain's interpreter
@@ -56,6 +56,17 @@ def test_one_flag_spelling(flag, capsys):
   with pytest.raises(SystemExit) as e:
     serve.parse_args([TINY, flag])
   assert e.value.code == 2 and "unknown argument" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,name", [
+    (["--hf_checkpoint=/ckpts/Qwen3-30B-A3B/", SERVE], "Qwen3-30B-A3B"),
+    (["--checkpoint=runs/r1/final_model", TINY, SERVE], "final_model"),
+    (["--hf_checkpoint=.", SERVE], os.path.basename(os.getcwd())),
+    ([TINY, SERVE], serve.RANDOM_INIT_NAME),
+    (["--hf_checkpoint=/ckpts/q", "--model_name=mine"], "mine"),
+])
+def test_the_served_model_is_named_by_its_checkpoint(argv, name):
+  assert serve.served_model_name(serve.parse_args(argv)) == name
 
 
 def test_needs_a_source_of_weights():
@@ -139,25 +150,37 @@ def transformers_checkpoint(tmp_path_factory):
   return d, transformers.AutoTokenizer.from_pretrained(d)
 
 
+def _post_json(port, path, body) -> dict:
+  req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                               method="POST", headers={"Content-Type": "application/json"})
+  with urllib.request.urlopen(req, timeout=WAIT_S) as r:
+    return json.loads(r.read())
+
+
 def test_the_binary_serves_a_transformers_checkpoint_with_its_own_tokenizer(
     transformers_checkpoint, tmp_path):
   """A text prompt is encoded by the checkpoint's tokenizer (not as bytes), and each completion's
-  text is that tokenizer's decoding of its token ids, through the real entry point."""
+  text is that tokenizer's decoding of its token ids; chat messages are rendered by its chat
+  template; /v1/models names the checkpoint; all through the real entry point."""
   d, ref = transformers_checkpoint
   binary = _Binary([f"--hf_checkpoint={d}", "--port=0", "--admin_port=-1", "--max_slots=4",
                     "--max_len=64", "--decode_steps=4"], tmp_path)
+  messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "fix it"}]
   try:
     port = re.search(r"listening on http://127\.0\.0\.1:(\d+) ", binary.line).group(1)
     prompt = "def add(a, b):\n    return"
-    body = {"prompt": prompt, "max_tokens": 16, "n": 3, "temperature": 1.0, "seed": 7,
-            "return_routing": False}
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
-                                 data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=WAIT_S) as r:
-      out = json.loads(r.read())
+    out = _post_json(port, "/v1/completions",
+                     {"prompt": prompt, "max_tokens": 16, "n": 3, "temperature": 1.0, "seed": 7,
+                      "return_routing": False})
+    chat = _post_json(port, "/v1/chat/completions", {"messages": messages, "max_tokens": 4})
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=WAIT_S) as r:
+      models = json.loads(r.read())
   finally:
     binary.close()
+  assert [m["id"] for m in models["data"]] == [os.path.basename(d)] == [chat["model"]]
+  rendered = ref.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+  rendered = rendered["input_ids"] if hasattr(rendered, "keys") else rendered
+  assert chat["choices"][0]["prompt_token_ids"] == list(rendered)
   want = ref.encode(prompt, add_special_tokens=False)
   assert len(want) < len(prompt.encode()) / 2  # merges: a byte tokenizer would not match
   assert len(out["choices"]) == 3 and out["usage"]["prompt_tokens"] == 3 * len(want)
