@@ -236,6 +236,12 @@ class JsonTokenizer:
   def pad_id(self) -> Optional[int]:
     return self._roles["pad"]
 
+  def role_tokens(self) -> dict:
+    """{"bos_token": text, "eos_token": text, "pad_token": text} for the roles this tokenizer
+    has (absent roles left out): what a tokenizer_config.json names, e.g. for an export."""
+    return {f"{role}_token": self._tok.id_to_token(i) for role, i in self._roles.items()
+            if i is not None}
+
   def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
     """`text`'s ids, without the tokenizer's own post-processing (no BOS a template would add);
     `bos` / `eos` add the role tokens, which must exist."""

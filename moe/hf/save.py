@@ -9,6 +9,10 @@ parameter is on the host at a time.
 Shards are named like transformers names them: one `model.safetensors` when everything fits in
 `max_shard_size`, else `model-0000i-of-0000n.safetensors` plus `model.safetensors.index.json`.
 Stale files of those names from an earlier save into the same directory are removed first.
+
+Given the model's tokenizer (`tokenizer=`), the export is a complete checkpoint: the tokenizer
+files and generation_config.json are written too (see special_tokens.py), and config.json names
+the BOS / EOS / pad ids.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import glob
 import json
 import os
 import re
-from typing import Optional
+from typing import Optional, Sequence
 
 import jax
 import numpy as np
@@ -26,6 +30,7 @@ from flax import nnx
 from moe.hf import names
 from moe.hf.config_map import config_to_hf
 from moe.hf.errors import CheckpointError
+from moe.hf import special_tokens
 from moe.hf.load import ARCH_ATTR, _flat_name
 from moe.hf.safetensors_io import CONFIG, INDEX, SINGLE, ShardWriter, np_dtype
 
@@ -54,7 +59,8 @@ def _hf_tensor(layout, piece, value: np.ndarray) -> np.ndarray:
 
 def save_pretrained(model: nnx.Module, path: str | os.PathLike, *,
                     architecture: Optional[str] = None, max_shard_size="5GB",
-                    dtype: Optional[str] = None) -> list[str]:
+                    dtype: Optional[str] = None, tokenizer=None,
+                    eos_token_ids: Optional[Sequence[int]] = None) -> list[str]:
   """Writes `model` as a Hugging Face checkpoint directory.
 
   Args:
@@ -64,12 +70,22 @@ def save_pretrained(model: nnx.Module, path: str | os.PathLike, *,
       the model was loaded from.
     max_shard_size: largest shard, bytes or a string like "5GB".
     dtype: cast weights to this dtype on the way out (default: each parameter's own dtype).
+    tokenizer: the model's tokenizer (`moe.tokenizer.for_model(dir, vocab_size)`, a
+      JsonTokenizer / BPETokenizer): written as tokenizer.json, tokenizer_config.json and
+      chat_template.jinja, with generation_config.json. None: weights and config.json only.
+    eos_token_ids: every id that ends generation (a chat model has several, e.g. `<|im_end|>`
+      and `<|endoftext|>`); default the tokenizer's EOS. Written to generation_config.json (a
+      list when several) and config.json.
 
   Returns:
-    The paths written (shards, index if any, config.json).
+    The paths written (shards, index if any, config.json, then the tokenizer files and
+    generation_config.json when a tokenizer or EOS ids are given).
 
   Raises:
-    CheckpointError: no architecture known, or the model's config cannot be expressed in it.
+    CheckpointError: no architecture known, the model's config cannot be expressed in it, an
+      EOS id outside the vocabulary, or a tokenizer that cannot be exported (a ByteTokenizer:
+      transformers has no tokenizer for the project's byte vocabulary; one with more ids than
+      the model).
   """
   arch = architecture or getattr(model, ARCH_ATTR, None)
   if arch is None:
@@ -80,6 +96,17 @@ def save_pretrained(model: nnx.Module, path: str | os.PathLike, *,
   if dtype is not None:
     cfg = cfg.replace(param_dtype=dtype)
   hf_config = config_to_hf(cfg, arch)
+  if tokenizer is not None:  # fail before any file is written
+    special_tokens.check_tokenizer(tokenizer, cfg.vocab_size)
+  ids = None
+  if tokenizer is not None or eos_token_ids:
+    ids = special_tokens.token_ids(tokenizer, eos_token_ids)
+    for name, value in ids.items():
+      for t in value if isinstance(value, list) else [value]:
+        if t is not None and not 0 <= t < cfg.vocab_size:
+          raise CheckpointError(f"save_pretrained: {name} {t} is outside the model's "
+                                f"vocabulary ({cfg.vocab_size} ids)")
+    hf_config.update(ids)
   layout = names.layout(cfg, arch, fused=False)
   limit = parse_size(max_shard_size)
   out_dt = np_dtype(dtype) if dtype is not None else None
@@ -139,4 +166,9 @@ def save_pretrained(model: nnx.Module, path: str | os.PathLike, *,
   with open(os.path.join(path, CONFIG), "w", encoding="utf-8") as f:
     json.dump(hf_config, f, indent=2)
   written.append(os.path.join(path, CONFIG))
+  if tokenizer is not None:
+    written += special_tokens.write_tokenizer(tokenizer, path, vocab_size=cfg.vocab_size,
+                                              model_max_length=cfg.max_seq_len)
+  if ids is not None:
+    written.append(special_tokens.write_generation_config(path, ids))
   return written
