@@ -68,14 +68,15 @@ def load_model(*, hf_checkpoint: Optional[str] = None, checkpoint: Optional[str]
 
 
 def _eos_from_hf(path: str) -> tuple:
-  try:
-    with open(os.path.join(path, "config.json")) as f:
-      eos = json.load(f).get("eos_token_id")
-  except (OSError, ValueError):
-    return ()
-  if eos is None:
-    return ()
-  return tuple(eos) if isinstance(eos, list) else (int(eos),)
+  """Every end-of-sequence id of the Hugging Face checkpoint in `path`: generation_config.json's
+  eos_token_id (a list for chat models: Qwen3 stops at `<|im_end|>` and `<|endoftext|>` while
+  config.json names one), else config.json's (`moe.hf.eos_token_ids`).
+
+  Raises:
+    ValueError (moe.hf.CheckpointError): an unreadable file or a malformed eos_token_id.
+  """
+  from moe import hf  # pylint: disable=g-import-not-at-top
+  return hf.eos_token_ids(path)
 
 
 def load_tokenizer(directory: Optional[str], vocab_size: int):
@@ -101,9 +102,10 @@ def load_engine(engine_config, *, hf_checkpoint: Optional[str] = None,
   of its checkpoint (`load_tokenizer`).
 
   Args:
-    engine_config: the engine's settings (rollout.engine.EngineConfig). Without eos_token_ids
-      the Hugging Face checkpoint's `eos_token_id`, else the tokenizer's end of sequence, ends a
-      completion (ids outside the vocabulary dropped).
+    engine_config: the engine's settings (rollout.engine.EngineConfig). Without eos_token_ids,
+      every EOS id of the Hugging Face checkpoint (generation_config.json's list, else
+      config.json's `eos_token_id`), else the tokenizer's end of sequence, ends a completion
+      (ids outside the vocabulary dropped).
     hf_checkpoint / checkpoint / config / seed / max_seq_len: as `load_model`.
 
   Raises:

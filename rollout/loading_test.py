@@ -1,5 +1,6 @@
 """Loading served weights from project checkpoints, Hugging Face checkpoints and configs."""
 
+import json
 import sys
 
 import numpy as np
@@ -70,6 +71,53 @@ def test_the_served_tokenizer_is_the_checkpoints_own_never_bytes_by_default(tmp_
       assert engine.config.eos_token_ids == (bpe.eos_id,)
     finally:
       engine.stop()
+
+
+def test_generation_stops_at_every_eos_id_of_the_checkpoint(tmp_path):
+  """A chat checkpoint's config.json names one EOS id and its generation_config.json two (Qwen3:
+  <|endoftext|> and <|im_end|>); the served model, biased to emit the second, must stop there.
+
+  The bias: every embedding gets a large constant in one hidden dimension, so after the final
+  norm that dimension is positive at every position whatever the blocks add, and the LM head's
+  column for the second id reads it with a large weight: greedy decoding emits that id first.
+  """
+  model = testing.tiny_model(seed=4)  # 259 ids: bytes; the byte tokenizer's <eos> is 258
+  first, second = 258, 200
+  flat = moe_params.flatten(model)
+  flat["embed"] = flat["embed"].copy()
+  flat["embed"][:, 0] = 50.0
+  flat["lm_head"] = flat["lm_head"].copy()
+  flat["lm_head"][:, second] = 0.0
+  flat["lm_head"][0, second] = 10.0
+  moe_params.load_flat(model, flat)
+  hfd = tmp_path / "hf"
+  hf.save_pretrained(model, hfd, architecture="MixtralForCausalLM",
+                     eos_token_ids=(first, second))
+  config = json.loads((hfd / "config.json").read_text())
+  config["eos_token_id"] = first  # config.json names one, as a chat checkpoint's does
+  (hfd / "config.json").write_text(json.dumps(config))
+
+  ec = EngineConfig(max_slots=2, max_len=32, decode_steps=4, max_queue=2, deterministic=True)
+  prompt = list(b"def f(x):")
+  engine = loading.load_engine(ec, hf_checkpoint=str(hfd))
+  try:
+    assert engine.config.eos_token_ids == (first, second)
+    c = engine.generate(prompt, max_tokens=8, temperature=0.0)[0]
+    assert c.token_ids == [second] and c.finish_reason == "stop"
+    # Without the EOS ids the same model runs on: the bias, not chance, produced the stop.
+    c = engine.generate(prompt, max_tokens=8, temperature=0.0, ignore_eos=True)[0]
+    assert c.token_ids == [second] * 8 and c.finish_reason == "length"
+  finally:
+    engine.stop()
+
+  (hfd / "generation_config.json").unlink()  # no generation config: config.json's one id
+  engine = loading.load_engine(ec, hf_checkpoint=str(hfd))
+  try:
+    assert engine.config.eos_token_ids == (first,)
+    c = engine.generate(prompt, max_tokens=5, temperature=0.0)[0]
+    assert c.token_ids == [second] * 5 and c.finish_reason == "length"
+  finally:
+    engine.stop()
 
 
 def test_a_model_without_a_directory_is_bytes_or_token_ids_only():
