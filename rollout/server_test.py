@@ -230,28 +230,12 @@ def test_backpressure_429_and_timeout_504(live):
 
 
 def test_client_disconnect_cancels_the_request(live, monkeypatch):
-  from rollout import device_programs
   eng = live.server.engine
   before = eng.stats["cancelled_total"]
   disconnects = live.server.http_stats["client_disconnects_total"]
-
-  def idle():
-    m = eng.metrics()
-    return m["active_slots"] == 0 and m["queue_depth"] == 0
-
-  # So that the first decode call after the patch below is this test's request's.
-  waiting.wait_until(idle, "the engine to finish the earlier tests' requests")
   # The engine's first decode call for the request waits on `gate`, so the request cannot
   # finish before the server notices the disconnect, however fast or slow this machine is.
-  entered, gate = threading.Event(), threading.Event()
-  real = device_programs.decode_chunk
-
-  def held(*a, **kw):
-    entered.set()
-    gate.wait(60)
-    return real(*a, **kw)
-
-  monkeypatch.setattr(device_programs, "decode_chunk", held)
+  entered, gate = testing.hold_decode(eng, monkeypatch)
   conn = http.client.HTTPConnection("127.0.0.1", live.port, timeout=60)
   try:
     conn.request("POST", "/v1/completions", json.dumps({"prompt": [1, 2], "max_tokens": 60,

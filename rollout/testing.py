@@ -1,5 +1,5 @@
-"""Shared fixtures for the tests of rollout and of its users: tiny configs and models, and a
-live server (test-only helpers).
+"""Shared fixtures for the tests of rollout and of its users: tiny configs and models, a live
+server, and a hold on the engine's decode calls (test-only helpers).
 
 Tolerance policy (float32 everywhere in these tests): the sampler and the model compute the same
 formulas with different matmul shapes, so results differ by float32 rounding only (observed
@@ -124,3 +124,32 @@ class LiveServer:
       self._run(self.server.stop(), "the rollout server to stop")
     finally:
       self._stop_loop()
+
+
+def hold_decode(engine, monkeypatch) -> tuple[threading.Event, threading.Event]:
+  """Once `engine` is idle, makes every decode call set `entered` and wait on `gate` (60 s at
+  most) before it runs; returns (entered, gate).
+
+  Why: a test that must observe a request while it runs (a streamed chunk before the request
+  ends, a client that disconnects mid-request) cannot race the engine on a fast machine; with
+  the engine held inside its first decode call the request cannot finish until the test sets
+  `gate`. Waiting for idleness first makes that first held call the test's own request's.
+  """
+  from rollout import device_programs  # pylint: disable=g-import-not-at-top
+  from testlib import waiting  # pylint: disable=g-import-not-at-top
+
+  def idle():
+    m = engine.metrics()
+    return m["active_slots"] == 0 and m["queue_depth"] == 0
+
+  waiting.wait_until(idle, "the engine to finish the earlier requests")
+  entered, gate = threading.Event(), threading.Event()
+  real = device_programs.decode_chunk
+
+  def held(*a, **kw):
+    entered.set()
+    gate.wait(60)
+    return real(*a, **kw)
+
+  monkeypatch.setattr(device_programs, "decode_chunk", held)
+  return entered, gate
