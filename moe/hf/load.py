@@ -26,11 +26,15 @@ from moe import build
 from moe import sharding
 from moe.hf import names
 from moe.hf.config_map import architecture_of, config_from_hf, dtype_of
+from moe.hf import special_tokens
 from moe.hf.errors import CheckpointError
 from moe.hf.safetensors_io import ST_TO_NP, Checkpoint, np_dtype
 from moe.model import MoEDecoder
 
-ARCH_ATTR = "hf_architecture"  # the attribute a loaded model carries (read by save_pretrained)
+# Attributes a loaded model carries, read by save_pretrained: its architecture, and every id that
+# ends generation (generation_config.json's list, else config.json's), so a re-export keeps both.
+ARCH_ATTR = "hf_architecture"
+EOS_ATTR = "hf_eos_token_ids"
 
 
 def _flat_name(path) -> str:
@@ -61,6 +65,38 @@ def validate(ckpt: Checkpoint, layout: names.Layout) -> None:
                             f"{list(want)} from config.json")
 
 
+def _config(ckpt: Checkpoint, dtype: Optional[str],
+            config_overrides: Optional[Mapping[str, Any]]) -> tuple[str, ModelConfig]:
+  """(architecture, ModelConfig) of an open checkpoint; see `load_config`."""
+  where = os.path.join(ckpt.path, "config.json")
+  arch = architecture_of(ckpt.config, where)
+  cfg = config_from_hf(ckpt.config, where)
+  if dtype is None:
+    dtype = dtype_of(ckpt.config)
+    emb = ckpt.tensors.get("model.embed_tokens.weight")
+    if dtype is None and emb is not None and emb.dtype in ST_TO_NP:
+      dtype = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[emb.dtype]
+  try:
+    dt = dtype or "float32"
+    return arch, cfg.replace(**{"param_dtype": dt, "dtype": dt, **dict(config_overrides or {})})
+  except (TypeError, ValueError) as e:
+    raise CheckpointError(f"{where}: bad dtype or config override ({e})") from e
+
+
+def load_config(path: str | os.PathLike, *, dtype: Optional[str] = None,
+                config_overrides: Optional[Mapping[str, Any]] = None) -> ModelConfig:
+  """The ModelConfig `load_pretrained(path, dtype=, config_overrides=)` gives its model, read
+  from config.json and the shards' headers only (no tensor data): for checking a run's settings
+  against a checkpoint before loading it.
+
+  Raises:
+    CheckpointError: as `load_pretrained`'s config step (unknown architecture or config,
+      missing or unreadable files, a bad dtype or override).
+  """
+  with Checkpoint(path) as ckpt:
+    return _config(ckpt, dtype, config_overrides)[1]
+
+
 def load_pretrained(path: str | os.PathLike, *, dtype: Optional[str] = None,
                     mesh: Optional[Mesh] = None,
                     config_overrides: Optional[Mapping[str, Any]] = None) -> MoEDecoder:
@@ -77,26 +113,17 @@ def load_pretrained(path: str | os.PathLike, *, dtype: Optional[str] = None,
       capacity_factor, max_seq_len, fp32_lm_head).
 
   Returns:
-    The model; `model.hf_architecture` records the architecture for `save_pretrained`.
+    The model; `model.hf_architecture` records the architecture and `model.hf_eos_token_ids`
+    the checkpoint's EOS ids (`eos_token_ids`), both for `save_pretrained`.
 
   Raises:
     CheckpointError: unknown architecture or config, missing/unreadable/corrupt files, missing,
-      unexpected or misshapen tensors, non-float dtypes. Raised before any tensor data is read.
+      unexpected or misshapen tensors, non-float dtypes, a malformed eos_token_id. Raised before
+      any tensor data is read.
   """
   with Checkpoint(path) as ckpt:
-    where = os.path.join(ckpt.path, "config.json")
-    arch = architecture_of(ckpt.config, where)
-    cfg = config_from_hf(ckpt.config, where)
-    if dtype is None:
-      dtype = dtype_of(ckpt.config)
-      emb = ckpt.tensors.get("model.embed_tokens.weight")
-      if dtype is None and emb is not None and emb.dtype in ST_TO_NP:
-        dtype = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[emb.dtype]
-    try:
-      dt = dtype or "float32"
-      cfg = cfg.replace(**{"param_dtype": dt, "dtype": dt, **dict(config_overrides or {})})
-    except (TypeError, ValueError) as e:
-      raise CheckpointError(f"{where}: bad dtype or config override ({e})") from e
+    arch, cfg = _config(ckpt, dtype, config_overrides)
+    eos = special_tokens.eos_token_ids(ckpt.path)
     layout = names.layout(cfg, arch, fused=names.is_fused(ckpt.tensors))
     validate(ckpt, layout)
 
@@ -127,4 +154,5 @@ def load_pretrained(path: str | os.PathLike, *, dtype: Optional[str] = None,
       del buf, arr
     model = nnx.merge(graphdef, state)
   setattr(model, ARCH_ATTR, arch)
+  setattr(model, EOS_ATTR, eos)
   return model

@@ -31,7 +31,7 @@ from moe.hf import names
 from moe.hf.config_map import config_to_hf
 from moe.hf.errors import CheckpointError
 from moe.hf import special_tokens
-from moe.hf.load import ARCH_ATTR, _flat_name
+from moe.hf.load import ARCH_ATTR, EOS_ATTR, _flat_name
 from moe.hf.safetensors_io import CONFIG, INDEX, SINGLE, ShardWriter, np_dtype
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -72,10 +72,13 @@ def save_pretrained(model: nnx.Module, path: str | os.PathLike, *,
     dtype: cast weights to this dtype on the way out (default: each parameter's own dtype).
     tokenizer: the model's tokenizer (`moe.tokenizer.for_model(dir, vocab_size)`, a
       JsonTokenizer / BPETokenizer): written as tokenizer.json, tokenizer_config.json and
-      chat_template.jinja, with generation_config.json. None: weights and config.json only.
+      chat_template.jinja, with generation_config.json. None: weights and config.json (and
+      generation_config.json when EOS ids are known, see eos_token_ids).
     eos_token_ids: every id that ends generation (a chat model has several, e.g. `<|im_end|>`
-      and `<|endoftext|>`); default the tokenizer's EOS. Written to generation_config.json (a
-      list when several) and config.json.
+      and `<|endoftext|>`); default the ones the model was loaded with (`load_pretrained`
+      records its checkpoint's `eos_token_ids`, so a re-export keeps generation_config.json's
+      list) unless `tokenizer`'s EOS is not among them (another vocabulary), else the
+      tokenizer's EOS. Written to generation_config.json (a list when several) and config.json.
 
   Returns:
     The paths written (shards, index if any, config.json, then the tokenizer files and
@@ -93,6 +96,9 @@ def save_pretrained(model: nnx.Module, path: str | os.PathLike, *,
                           "checkpoint; pass architecture='MixtralForCausalLM' or "
                           "'Qwen3MoeForCausalLM'")
   cfg = model.config
+  loaded_eos = tuple(getattr(model, EOS_ATTR, None) or ())
+  if not eos_token_ids and loaded_eos and (tokenizer is None or tokenizer.eos_id in loaded_eos):
+    eos_token_ids = loaded_eos
   if dtype is not None:
     cfg = cfg.replace(param_dtype=dtype)
   hf_config = config_to_hf(cfg, arch)

@@ -81,6 +81,41 @@ def test_transformers_loads_the_exported_tokenizer_template_generation_config_an
   assert hf.eos_token_ids(src) == (eot,)  # transformers' own generation_config.json
 
 
+def test_a_loaded_checkpoint_keeps_its_eos_list_on_re_export(tmp_path):
+  """A chat checkpoint's generation_config.json lists <|im_end|> and <|endoftext|>;
+  load_pretrained remembers the list, so an export without eos_token_ids (with the checkpoint's
+  own tokenizer or none) writes it again, and our loader and transformers read it back."""
+  ref = tu.bpe_tokenizer()
+  im_end, eot = ref.convert_tokens_to_ids("<|im_end|>"), ref.eos_token_id
+  src = tu.save_with_tokenizer(tmp_path / "hf")
+  transformers.GenerationConfig(eos_token_id=[im_end, eot], pad_token_id=eot).save_pretrained(src)
+  model = hf.load_pretrained(src)
+  assert model.hf_eos_token_ids == (im_end, eot)
+  tok = tokenizer_lib.for_model(src, model.config.vocab_size)
+  assert tok.eos_id == eot  # tokenizer_config.json names one of the two
+  for name, kw in (("with_tokenizer", {"tokenizer": tok}), ("weights_only", {})):
+    out = str(tmp_path / name)
+    hf.save_pretrained(model, out, **kw)
+    assert hf.eos_token_ids(out) == (im_end, eot), name
+    assert json.loads(open(f"{out}/config.json").read())["eos_token_id"] == [im_end, eot]
+    assert transformers.GenerationConfig.from_pretrained(out).eos_token_id == [im_end, eot]
+    again = hf.load_pretrained(out)  # and once more: the list survives any number of trips
+    hf.save_pretrained(again, str(tmp_path / f"{name}_again"))
+    assert hf.eos_token_ids(str(tmp_path / f"{name}_again")) == (im_end, eot), name
+  # An explicit list still wins.
+  hf.save_pretrained(model, str(tmp_path / "explicit"), tokenizer=tok, eos_token_ids=(eot,))
+  assert hf.eos_token_ids(str(tmp_path / "explicit")) == (eot,)
+
+
+def test_load_config_is_the_loaded_models_config_without_reading_weights(tmp_path):
+  src = tu.save_with_tokenizer(tmp_path / "hf")
+  for kw in ({}, {"dtype": "bfloat16", "config_overrides": {"max_seq_len": 64}}):
+    assert hf.load_config(src, **kw) == hf.load_pretrained(src, **kw).config, kw
+  assert hf.load_config(src, config_overrides={"max_seq_len": 64}).max_seq_len == 64
+  with pytest.raises(hf.CheckpointError, match="not a checkpoint directory"):
+    hf.load_config(str(tmp_path / "missing"))
+
+
 def test_default_eos_is_the_tokenizers_and_a_stale_chat_template_is_removed(tmp_path):
   """The project's BPE (no tokenizer_config.json, no template) exports its <pad>/<bos>/<eos>."""
   model = hf.load_pretrained(tu.save_with_tokenizer(tmp_path / "hf"))
