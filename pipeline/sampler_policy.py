@@ -52,9 +52,11 @@ class SamplerPolicy:
     return [self.tokenizer.bos_id] if self.add_bos else []
 
   def complete(self, prompt_ids, *, max_tokens, stop=(), temperature=1.0, seed=None, n=1,
-               top_p=1.0) -> list[policy_lib.Completion]:
+               top_p=1.0, stop_token_ids=()) -> list[policy_lib.Completion]:
+    eos = self.tokenizer.eos_id
     params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                            stop_token_ids=(self.tokenizer.eos_id,), stop=tuple(stop),
+                            stop_token_ids=(eos, *(int(t) for t in stop_token_ids if t != eos)),
+                            stop=tuple(stop),
                             seed=None if seed is None else int(seed) % (2**31))
     with self._lock:
       self.requests += 1

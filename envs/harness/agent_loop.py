@@ -2,10 +2,13 @@
 
 The context is kept as token ids: harness text is tokenized once and the model's own tokens are
 appended exactly as sampled, so the trajectory holds precisely the tokens the sampler saw, with
-no re-tokenization drift. Limits: turns, generated tokens, wall time (task limits unless the
-config overrides them), plus the context window, handled by self-summarisation: when the next
-turn might not fit, the model is asked to summarise its progress, and the episode continues in a
-fresh context (system prompt, instructions and the summary). Each context is one `Segment`.
+no re-tokenization drift. The harness text is written in a turn format (`turn_format`): the
+project's template by default, or the model's own chat template (`LoopConfig.chat`).
+
+Limits: turns, generated tokens, wall time (task limits unless the config overrides them), plus
+the context window, handled by self-summarisation: when the next turn might not fit, the model is
+asked to summarise its progress, and the episode continues in a fresh context (system prompt,
+instructions and the summary). Each context is one `Segment`.
 
 Failures of the fleet (the sandbox breaks, the sampler errors) end the episode with status
 "infra_error" and reward None. Malformed tool calls are the model's: they get an error
@@ -25,6 +28,7 @@ from envs.harness import agent_tools
 from envs.harness import policy as policy_lib
 from envs.harness import toolcall
 from envs.harness import trajectory as traj_lib
+from envs.harness import turn_format
 from envs.sandbox import pool as pool_lib
 from envs.sandbox import slot as slot_lib
 from envs.tasks import task_format
@@ -56,6 +60,16 @@ class LoopConfig:
   # The user turn that asks for the summary when the context is full (small windows want a
   # short one: the loop keeps room for it in every context).
   summary_request: str = SUMMARY_REQUEST
+  # The model's chat template (`turn_format.ChatTurns`, built by the caller from the model's
+  # checkpoint): agent turns are written in it, tool results as its tool messages, and each
+  # model turn ends at its end-of-turn token. None: the project's template (`toolcall`), for
+  # models without one.
+  chat: turn_format.ChatTurns | None = None
+
+  @property
+  def turns(self) -> turn_format.TurnFormat:
+    """The turn format episodes are written in."""
+    return self.chat if self.chat is not None else turn_format.PROJECT
 
 
 _OMITTED = "[output omitted: the context is full]"
@@ -71,10 +85,11 @@ def _budget(encode: Callable[[str], list], config: "LoopConfig") -> tuple[int, i
   A turn starts only with room for max_tokens_per_turn, the slack and the reserve, so no context
   grows past max_context_tokens.
   """
-  closing = len(encode(toolcall.IM_END + "\n")) + max(len(encode(s)) for s in toolcall.STOP)
-  summary = encode(toolcall.render_message("user", config.summary_request) +
-                   f"{toolcall.IM_START}assistant\n")
-  omitted = encode(toolcall.render_responses([_OMITTED]))
+  fmt = config.turns
+  closing = len(encode(fmt.closing(False))) + max((len(encode(s)) for s in fmt.turn_stop),
+                                                  default=0)
+  summary = encode(fmt.summary_request((), config.summary_request))
+  omitted = encode(fmt.observations([_OMITTED]) + fmt.header([_OMITTED]))
   return len(summary) + config.summary_max_tokens + closing, closing + len(omitted)
 
 
@@ -93,9 +108,7 @@ class _Budget(Exception):
 
 def initial_prompt(instructions: str, config: LoopConfig) -> str:
   """The text that opens every context: system prompt (tool list), instructions, assistant."""
-  if config.tools is None:
-    return toolcall.initial_prompt(instructions)
-  return toolcall.initial_prompt(instructions, tool_names=config.tools)
+  return config.turns.opening(toolcall.system_prompt(config.tools), instructions)
 
 
 def run_episode(task: task_format.Task, policy: policy_lib.Policy, *, pool: pool_lib.WarmPool,
@@ -104,19 +117,34 @@ def run_episode(task: task_format.Task, policy: policy_lib.Policy, *, pool: pool
                 ) -> traj_lib.Trajectory:
   """Runs one episode of `task` with `policy`; always returns a Trajectory.
 
-  Every context (segment) starts with `policy.start_ids()` and is sent to the policy whole, so
-  the segment's tokens are exactly the tokens the sampler saw and wrote. `grade_fn` grades the
-  final files (envs.reward.grade's signature; the RL controller passes a memoised one).
+  Every context (segment) starts with `policy.start_ids()` (in the project's template; a chat
+  template writes its own start) and is sent to the policy whole, so the segment's tokens are
+  exactly the tokens the sampler saw and wrote. `grade_fn` grades the final files
+  (envs.reward.grade's signature; the RL controller passes a memoised one).
+
+  Raises:
+    ValueError: the opening prompt leaves no room for a turn, or a chat template's end of turn
+      is not one token of the policy's tokenizer (checked before any sandbox starts).
   """
   t0 = time.monotonic()
   timings = {"sandbox_start_s": 0.0, "generate_s": 0.0, "tools_s": 0.0, "grade_s": 0.0}
   max_turns = config.max_turns or task.limits.max_turns
   max_total = config.max_total_tokens or task.limits.max_tokens
   wall_s = config.wall_s or task.limits.wall_s
+  fmt = config.turns
   segments = [traj_lib.Segment()]
   records: list[traj_lib.ToolCallRecord] = []
   state = {"generated": 0, "turns": 0, "malformed": 0, "summaries": 0}
-  initial = policy.start_ids() + policy.encode(initial_prompt(task.instructions, config))
+
+  def opening(instructions: str) -> list[int]:
+    start = policy.start_ids() if fmt.uses_start_ids else []
+    return start + policy.encode(initial_prompt(instructions, config))
+
+  initial = opening(task.instructions)
+  end_ids = policy.encode(fmt.end_of_turn) if fmt.end_is_token else []
+  if fmt.end_is_token and len(end_ids) != 1:
+    raise ValueError(f"the chat template's end of turn {fmt.end_of_turn!r} is {len(end_ids)} "
+                     "tokens of the policy's tokenizer, not one: turns cannot stop at it")
 
   def fail(reason: str, finish: str = "error") -> traj_lib.Trajectory:
     timings["total_s"] = time.monotonic() - t0
@@ -134,47 +162,52 @@ def run_episode(task: task_format.Task, policy: policy_lib.Policy, *, pool: pool
       raise _Budget("wall_time")
     t = time.monotonic()
     seed = None if config.seed is None else config.seed + state["generated"]
+    # The end-of-turn id is asked for only when there is one: policies written for the
+    # project's template need not take the keyword.
+    ends = {"stop_token_ids": end_ids} if end_ids else {}
     comp = policy.complete(seg.token_ids, max_tokens=min(max_tokens, left), stop=stop,
-                           temperature=config.temperature, seed=seed, top_p=config.top_p)[0]
+                           temperature=config.temperature, seed=seed, top_p=config.top_p,
+                           **ends)[0]
     timings["generate_s"] += time.monotonic() - t
     state["generated"] += len(comp.token_ids)
     seg.add_completion(comp)
     return comp
 
   def close_turn(seg, comp):
-    """Template tokens that end the assistant turn when the model stopped at </tool_call>."""
+    """Template tokens that end the model's turn: what the model did not write of its close
+    (all of it when the turn stopped at </tool_call> or ran out of tokens)."""
     if comp.stop_appended:
       seg.add_text_tokens(policy.encode(comp.stop_appended))
       comp.text += comp.stop_appended
-    if not comp.text.rstrip().endswith(toolcall.IM_END):
-      seg.add_text_tokens(policy.encode(toolcall.IM_END + "\n"))
+    ended = (comp.text.rstrip().endswith(fmt.end_of_turn) or
+             bool(end_ids) and comp.token_ids[-1:] == end_ids)
+    closing = fmt.closing(ended)
+    if closing:
+      seg.add_text_tokens(policy.encode(closing))
 
-  summary_prompt = policy.encode(toolcall.render_message("user", config.summary_request) +
-                                 f"{toolcall.IM_START}assistant\n")
   reserve, turn_slack = _budget(policy.encode, config)
+  closing_max = len(policy.encode(fmt.closing(False)))
+  header_len = len(policy.encode(fmt.header([_OMITTED])))
 
-  # The assistant header that opens a model turn after tool output is added when that turn is
-  # taken, not with the output: a context that summarises instead goes straight from the tool
-  # responses to the summary request, with no empty assistant turn left open between them.
-  header = policy.encode(toolcall.ASSISTANT_HEADER)
-  omitted = policy.encode(toolcall.render_responses([_OMITTED], generation_prompt=False))
-
-  def responses(observations):
-    return policy.encode(toolcall.render_responses(observations, generation_prompt=False))
-
-  def observation_tokens(seg, observations):
-    """Observations as tokens, clipped so the context keeps room for the summary (and the
-    header of the next turn)."""
-    room = config.max_context_tokens - reserve - len(seg) - len(header)
-    ids = responses(observations)
+  def clip(observations, make, room):
+    """(observations, make(observations)) with each observation cut to one length so that
+    the tokens fit in `room`; [_OMITTED] when not even 64 characters of each fit (the next
+    turn will summarise)."""
+    ids = make(observations)
     limit = max(len(o) for o in observations)
+    cut = list(observations)
     while len(ids) > room and limit > 64:
       limit //= 2
-      ids = responses([o if len(o) <= limit else o[:limit] + "\n...[clipped to fit the context]"
-                       for o in observations])
-    if len(ids) > room:  # not even 64 characters fit: say so (the next turn will summarise)
-      ids = omitted
-    return ids
+      cut = [o if len(o) <= limit else o[:limit] + "\n...[clipped to fit the context]"
+             for o in observations]
+      ids = make(cut)
+    if len(ids) > room:
+      cut = [_OMITTED]
+      ids = make(cut)
+    return cut, ids
+
+  def observation_ids(observations):
+    return policy.encode(fmt.observations(observations))
 
   def fits_a_turn(n: int) -> bool:
     return n + config.max_tokens_per_turn + turn_slack + reserve <= config.max_context_tokens
@@ -196,32 +229,44 @@ def run_episode(task: task_format.Task, policy: policy_lib.Policy, *, pool: pool
                             tool_names=config.tools)
   segments[0].add_text_tokens(initial)
   finish = "max_turns"
+  # The tool results of the last turn, clipped, and their ids: added to the context when the
+  # next step is known. Then the header that opens the model's next turn follows them, or the
+  # summary request does (a chat template may write the request into the results' message), so
+  # no empty assistant turn is left open before a summary request.
+  pending, pending_ids = None, []
   try:
-    open_header = False  # the context ends in tool output: the next turn opens with `header`
     while state["turns"] < max_turns:
       seg = segments[-1]
-      if not fits_a_turn(len(seg) + (len(header) if open_header else 0)):
+      header = policy.encode(fmt.header(pending)) if pending else []
+      if not fits_a_turn(len(seg) + len(pending_ids) + len(header)):
         if state["summaries"] >= config.max_summaries or not any(seg.model_mask):
           # Out of summaries, or a fresh context (instructions + summary) with no room for a
           # turn: summarising again would only grow it.
           finish = "context"
           break
-        seg.add_text_tokens(summary_prompt)
-        comp = generate(seg, config.summary_max_tokens, (toolcall.IM_END,))
+
+        def request(observations):
+          return policy.encode(fmt.summary_request(observations, config.summary_request))
+
+        ids = request(pending or ())
+        room = config.max_context_tokens - len(seg) - config.summary_max_tokens - closing_max
+        if pending and len(ids) > room:  # a template that writes the request longer after them
+          ids = clip(pending, request, room)[1]
+        seg.add_text_tokens(ids)
+        pending, pending_ids = None, []
+        comp = generate(seg, config.summary_max_tokens, fmt.summary_stop)
         close_turn(seg, comp)
         seg.ended_by_summary = True
         state["summaries"] += 1
-        summary = comp.text.replace(toolcall.IM_END, "").strip()
+        summary = comp.text.replace(fmt.end_of_turn, "").strip()
         fresh = traj_lib.Segment()
-        fresh.add_text_tokens(policy.start_ids() + policy.encode(initial_prompt(
-            f"{task.instructions}\n\nSummary of your progress so far:\n{summary}", config)))
+        fresh.add_text_tokens(opening(
+            f"{task.instructions}\n\nSummary of your progress so far:\n{summary}"))
         segments.append(fresh)
-        open_header = False
         continue
-      if open_header:
-        seg.add_text_tokens(header)
-        open_header = False
-      comp = generate(seg, config.max_tokens_per_turn, toolcall.STOP)
+      seg.add_text_tokens(pending_ids + header)
+      pending, pending_ids = None, []
+      comp = generate(seg, config.max_tokens_per_turn, fmt.turn_stop)
       state["turns"] += 1
       close_turn(seg, comp)
       parsed = toolcall.parse(comp.text)
@@ -249,8 +294,13 @@ def run_episode(task: task_format.Task, policy: policy_lib.Policy, *, pool: pool
       if box.submitted:
         finish = "submitted"
         break
-      seg.add_text_tokens(observation_tokens(seg, observations))
-      open_header = True
+      # Clipped so the context keeps room for the summary (and the next turn's header).
+      pending, pending_ids = clip(
+          observations, observation_ids,
+          config.max_context_tokens - reserve - len(seg) - header_len)
+    # The episode ends with the last turn's results in its context, as the model would have
+    # seen them.
+    segments[-1].add_text_tokens(pending_ids)
     final_files, _ = sb.slot.read_files()
   except _Budget as b:
     finish = b.reason
@@ -265,6 +315,9 @@ def run_episode(task: task_format.Task, policy: policy_lib.Policy, *, pool: pool
   except policy_lib.PolicyError as e:
     sb.close()
     return fail(f"policy failed: {e}")
+  except turn_format.ChatTemplateUnfit as e:
+    sb.close()
+    return fail(f"chat template failed: {e}")
   except (slot_lib.SlotError, ValueError) as e:
     sb.close()
     return fail(f"sandbox failed: {e}")

@@ -61,34 +61,38 @@ class InProcessPolicy:
     return [self.tokenizer.bos_id] if self.add_bos else []
 
   def complete(self, prompt_ids, *, max_tokens, stop=(), temperature=1.0, seed=None, n=1,
-               top_p=1.0):
+               top_p=1.0, stop_token_ids=()):
     kwargs = {"top_p": top_p} if top_p != 1.0 else {}
     stop_list = [x for x in stop if x]  # an empty stop string matches nothing here (convert)
     if self.stop_strings and stop_list:
       kwargs["stop"] = stop_list
+    stop_ids = [self.tokenizer.eos_id] + [int(t) for t in stop_token_ids
+                                          if int(t) != self.tokenizer.eos_id]
     try:
       raw = self.generate(list(prompt_ids), n=n, max_tokens=max_tokens, temperature=temperature,
-                          stop_token_ids=[self.tokenizer.eos_id], seed=seed, **kwargs)
+                          stop_token_ids=stop_ids, seed=seed, **kwargs)
     except Exception as e:  # pylint: disable=broad-except
       raise policy_lib.PolicyError(f"generate failed: {type(e).__name__}: {e}") from e
-    return [convert(c, self.tokenizer, max_tokens, stop) for c in raw]
+    return [convert(c, self.tokenizer, max_tokens, stop, stop_token_ids=stop_ids) for c in raw]
 
 
-def convert(c: Any, tokenizer: Any, max_tokens: int,
-            stop: Sequence[str] = ()) -> policy_lib.Completion:
+def convert(c: Any, tokenizer: Any, max_tokens: int, stop: Sequence[str] = (), *,
+            stop_token_ids: Sequence[int] = ()) -> policy_lib.Completion:
   """A sampler's completion (e.g. a rollout.engine.Completion) as the harness's Completion.
 
-  Cut after the first stop string or EOS (`tokenizer.eos_id`) with every per-token field; the
-  text is the decoding of the kept ids (stop string included), and `prompt_routing` is passed
-  through. Used by InProcessPolicy and by the RL pipeline's in-process samplers.
+  Cut after the first stop string, EOS (`tokenizer.eos_id`) or id of `stop_token_ids` with every
+  per-token field; the text is the decoding of the kept ids (stop string included), and
+  `prompt_routing` is passed through. Used by InProcessPolicy and by the RL pipeline's
+  in-process samplers.
   """
   decode = tokenizer.decode
   tokens = [int(t) for t in c.token_ids]
   n = len(tokens)
   cut, hit = policy_lib.truncate_at_stop(tokens, decode, stop)
-  eos = tokenizer.eos_id
-  if eos in tokens[:cut]:
-    cut, hit = tokens.index(eos) + 1, "<eos>"
+  ends = {tokenizer.eos_id, *(int(t) for t in stop_token_ids)}
+  at = next((j for j, t in enumerate(tokens[:cut]) if t in ends), None)
+  if at is not None:
+    cut, hit = at + 1, "<eos>"
   logprobs = getattr(c, "logprobs", None)
   logprobs = [float(x) for x in logprobs][:cut] if logprobs is not None else None
   versions = getattr(c, "policy_versions", None)

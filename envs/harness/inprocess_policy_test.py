@@ -33,6 +33,18 @@ def test_adapter_cuts_at_stop_strings_and_eos():
   assert c.finish_reason == "length" and len(c.token_ids) == 2
 
 
+def test_stop_token_ids_reach_generate_and_end_the_completion():
+  """A chat model's end-of-turn id (asked for by the harness) goes to generate with the EOS, and
+  a sampler that ran past it is cut just after it, with every per-token field."""
+  end = TOK.encode("|")[0]
+  gen = scripted_sampler.scripted_generate(["ab|cd"])
+  pol = inprocess_policy.InProcessPolicy(gen, TOK)
+  a = pol.complete(TOK.encode("hi"), max_tokens=50, stop_token_ids=[end, TOK.eos_id])[0]
+  assert gen.calls[0]["stop_token_ids"] == [TOK.eos_id, end]
+  assert a.text == "ab|" and a.token_ids[-1] == end and a.finish_reason == "stop"
+  assert len(a.logprobs) == len(a.policy_versions) == a.routing.shape[1] == 3
+
+
 def test_stop_strings_reach_a_generate_that_takes_them():
   """With stop_strings=True the request's stop strings go to generate (so it can stop decoding
   there); without stop strings, or with stop_strings=False, generate gets no `stop` at all."""

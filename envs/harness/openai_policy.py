@@ -145,15 +145,21 @@ class OpenAIPolicy:
       raise ServerUnavailable(f"{self.url}: unreadable response ({e})") from e
 
   def complete(self, prompt_ids, *, max_tokens, stop=(), temperature=1.0, seed=None, n=1,
-               top_p=1.0, extra: dict | None = None, timeout_s: float | None = None):
+               top_p=1.0, stop_token_ids=(), extra: dict | None = None,
+               timeout_s: float | None = None):
     """`n` completions of `prompt_ids`; `extra` adds request fields (e.g. the project server's
-    "return_routing"), `timeout_s` replaces the HTTP timeout for this request."""
+    "return_routing"), `timeout_s` replaces the HTTP timeout for this request.
+    `stop_token_ids` go as the request's "stop_token_ids" (the project's server and vLLM take
+    it; the field is sent only when there are some, since strict servers refuse it)."""
     prompt: Any = list(prompt_ids) if self.send_token_ids else self.decode(prompt_ids)
     body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
             "temperature": temperature, "n": n, "logprobs": 1, "stop": list(stop) or None,
             **self.extra_body, **(extra or {})}
     if top_p != 1.0:
       body["top_p"] = top_p
+    if stop_token_ids:  # with any the caller's extra fields name
+      body["stop_token_ids"] = list(dict.fromkeys(
+          [*(body.get("stop_token_ids") or []), *(int(t) for t in stop_token_ids)]))
     if seed is not None:
       body["seed"] = seed
     data = self._post(body, timeout_s)

@@ -83,6 +83,7 @@ def test_server_that_drops_stop_strings_and_extras(pool):
     assert isinstance(srv.requests[0]["prompt"], str)
     # Nothing non-standard is sent unless asked: strict servers refuse unknown fields.
     assert "include_stop_str_in_output" not in srv.requests[0]
+    assert "stop_token_ids" not in srv.requests[0]
   assert tr.status == "ok" and tr.reward == 1.0
   seg = tr.segments[0]
   model_text = TOK.decode([t for t, m in zip(seg.token_ids, seg.model_mask) if m])
@@ -100,6 +101,14 @@ def test_single_turn_over_http_with_n(pool):
     assert srv.requests[0]["n"] == 3
   assert [t.reward for t in trs] == [1.0, 1.0, 1.0]
   assert trs[0].final_files["solution.py"] == task.prompt + "    return x + 3\n"
+
+
+def test_stop_token_ids_are_sent_with_the_callers_own():
+  with replay_server.ReplayServer(["ab"], TOK) as srv:
+    pol = openai_policy.OpenAIPolicy(srv.base_url, "tiny", TOK)
+    pol.complete([1, 2], max_tokens=4, stop_token_ids=[7])
+    pol.complete([1, 2], max_tokens=4, stop_token_ids=[7, 9], extra={"stop_token_ids": [9, 3]})
+    assert [r["stop_token_ids"] for r in srv.requests] == [[7], [9, 3, 7]]
 
 
 def test_unreachable_server_is_policy_error():

@@ -77,9 +77,11 @@ class Policy(Protocol):
 
   def complete(self, prompt_ids: Sequence[int], *, max_tokens: int, stop: Sequence[str] = (),
                temperature: float = 1.0, seed: int | None = None, n: int = 1,
-               top_p: float = 1.0) -> list[Completion]:
+               top_p: float = 1.0, stop_token_ids: Sequence[int] = ()) -> list[Completion]:
     """Samples `n` continuations of `prompt_ids` (sent as they are), each ending at a stop
-    string, EOS or `max_tokens`. Raises PolicyError on infrastructure failure."""
+    string, EOS, one of `stop_token_ids` (kept in the completion, as EOS is: a chat model's
+    end-of-turn token, which the learner trains it to write) or `max_tokens`. Raises
+    PolicyError on infrastructure failure."""
     ...
 
 
@@ -109,7 +111,8 @@ class ScriptedPolicy:
   """Replays scripted responses: a deterministic stand-in for the model side in tests.
 
   Args:
-    responses: texts returned in order, or a function (prompt text, call index) -> text.
+    responses: texts returned in order, or a function (prompt text, call index) -> text; each
+      is encoded and cut after its first stop string or stop token id, where a sampler stops.
     tokenizer: anything with encode/decode (e.g. moe.tokenizer.ByteTokenizer()).
   """
 
@@ -128,7 +131,7 @@ class ScriptedPolicy:
     return []
 
   def complete(self, prompt_ids, *, max_tokens, stop=(), temperature=1.0, seed=None, n=1,
-               top_p=1.0):
+               top_p=1.0, stop_token_ids=()):
     del temperature, seed, top_p
     prompt = self.decode(prompt_ids)
     out = []
@@ -141,6 +144,9 @@ class ScriptedPolicy:
         text = self.responses[i] if i < len(self.responses) else "<|im_end|>"
       ids = self.encode(text)
       cut, hit = truncate_at_stop(ids, self.decode, stop)
+      at_id = next((j + 1 for j, t in enumerate(ids[:cut]) if t in stop_token_ids), None)
+      if at_id is not None:
+        cut, hit = at_id, "<stop id>"
       finish = "stop" if hit else "length"
       if cut > max_tokens:
         cut, finish = max_tokens, "length"
