@@ -135,7 +135,10 @@ class RolloutController:
     self._grade_slots = threading.BoundedSemaphore(config.grade_workers)
     self._episode_slots = attempts_lib.episode_slots(pool, config.grade_workers)
     self.tok = tokenizer or ByteTokenizer()
+    # Contexts start with BOS when the tokenizer has one (the project's models are trained so);
+    # a checkpoint's tokenizer without one (Qwen) starts them with the prompt itself.
     self.policy = sampler_policy.SamplerPolicy(samplers, self.tok,
+                                               add_bos=self.tok.bos_id is not None,
                                                timeout_s=config.request_timeout_s)
     self.settings = attempts_lib.AttemptSettings(
         max_tokens=config.max_new_tokens, temperature=config.temperature, top_p=config.top_p,

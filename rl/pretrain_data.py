@@ -42,11 +42,13 @@ class _Encode(grain.transforms.Map):
     with open(path, "rb") as f:
       text = f.read().decode("utf-8", errors="replace")
     pieces = self.trained_spans(text) if self.trained_spans is not None else None
+    # A document starts with BOS when the tokenizer has one (a checkpoint's may not: Qwen's).
+    bos = self.tokenizer.bos_id is not None
     if pieces is None:
-      ids = self.tokenizer.encode(text, bos=True, eos=True)
+      ids = self.tokenizer.encode(text, bos=bos, eos=True)
       return {"tokens": np.asarray(ids, np.int32), "trained": np.ones(len(ids), np.int32)}
     tok = self.tokenizer
-    ids, trained = [tok.bos_id], [0]
+    ids, trained = ([tok.bos_id], [0]) if bos else ([], [])
     for piece, train in pieces:
       enc = tok.encode(piece)
       ids += enc
@@ -74,7 +76,8 @@ def pretrain_dataset(files: Sequence[str], *, seq_len: int, batch_rows: int, see
     seed: shuffle seed.
     shuffle: shuffle file order (differently every epoch).
     num_epochs: passes over the files (None: forever).
-    tokenizer: anything with encode(text, bos=, eos=); the byte tokenizer by default.
+    tokenizer: anything with encode(text, bos=, eos=), bos_id and eos_id; the byte tokenizer by
+      default. Documents start with BOS only when it has one (a Qwen checkpoint's has none).
     trained_spans: which tokens of a document are trained: text -> [(piece, trained)] whose
       pieces concatenate to the text (each piece encoded on its own), or None to train the
       whole document. Agent transcripts train only the model's turns, as supervised

@@ -62,6 +62,27 @@ def test_trained_spans_mask_what_is_context(tmp_path):
   assert tok.decode(code) == "x = 1\n" and mask[n_conv:n_conv + len(code)].all()
 
 
+def test_a_tokenizer_without_bos_starts_documents_with_their_text(tmp_path):
+  """A checkpoint's tokenizer may have no BOS (Qwen's): documents are text + EOS, in both the
+  whole-document and the trained-spans paths."""
+  from moe import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+  from moe.hf import testutil  # pylint: disable=g-import-not-at-top
+  testutil.bpe_tokenizer().save_pretrained(str(tmp_path / "tok"))
+  tok = tokenizer_lib.for_model(str(tmp_path / "tok"), 400)
+  assert tok.bos_id is None and tok.eos_id is not None
+  text = "def add(a, b):\n    return a + b\n"
+  (tmp_path / "a.py").write_text(text)
+  for spans in (None, lambda text: [(text[:4], False), (text[4:], True)]):
+    pieces = [text] if spans is None else [text[:4], text[4:]]  # each piece encoded alone
+    want = [t for p in pieces for t in tok.encode(p)] + [tok.eos_id]
+    ds = pretrain_data.pretrain_dataset([str(tmp_path / "a.py")], seq_len=len(want),
+                                        batch_rows=1, num_epochs=1, shuffle=False,
+                                        tokenizer=tok, trained_spans=spans)
+    b = next(iter(ds))
+    assert list(b["tokens"][0]) == want and b["positions"][0][0] == 0
+    assert b["loss_mask"][0][-1] == (1 if spans is None else 0)  # EOS: trained only unmasked
+
+
 def test_state_round_trip(tmp_path):
   files = _corpus(tmp_path)
 
