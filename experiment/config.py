@@ -208,6 +208,23 @@ class ExperimentConfig:
   # tokenizer is the one saved beside it (tokenizer.json, else bytes), its config replaces
   # `model`, and tokenizer training and pre-training are skipped. "": pre-train as configured.
   pretrained_model: str = ""
+  # A Hugging Face checkpoint directory (Qwen3-MoE or Mixtral, moe.hf) to start from
+  # (experiment/hf_checkpoint.py): its config.json replaces `model`, all but max_seq_len (the
+  # run's context, which sizes the samplers' KV caches; weights train in float32); its own
+  # tokenizer.json and chat template are the tokenizer (`tokenizer` is ignored, no BPE is
+  # trained); its EOS ids (generation_config.json's list) end every sampled completion.
+  # Pre-training runs only when configured (continual pre-training of the checkpoint). The
+  # final model is also exported as a Hugging Face checkpoint to `hf_export`.
+  hf_checkpoint: str = ""
+  # Where an hf_checkpoint run exports its final model (moe.hf.save_pretrained: weights,
+  # tokenizer files, chat template, generation_config.json). "": <run_dir>/hf_export.
+  hf_export: str = ""
+  # Tasks from a file instead of the built-in suite: JSONL, a task directory or a directory of
+  # them (envs/tasks/task_format.py); each task's `split` ("train" / "test") says whether RL
+  # trains on it or evaluation holds it out. `suite` still says how they run: "pyfunc" for
+  # single-turn tasks (each with a `prompt`), "repo" for multi-turn repository tasks. A task the
+  # loader rejects is an error, not left out. "": the built-in suite.
+  task_file: str = ""
   # What RL trains on. "train": the split's train tasks (the ones pre-training's transcripts
   # show). "held_back": a `rl_held_back_fraction` share of the train tasks (by a hash of the
   # id, experiment/splits.py) that pre-training and the tokenizer never see, so no attempt can
@@ -227,6 +244,12 @@ class ExperimentConfig:
         raise ValueError(f"agent.max_context_tokens ({window}) + 16 must fit "
                          f"rl.pipeline.seq_len ({self.rl.pipeline.seq_len}) and the model's "
                          f"max_seq_len ({self.model.max_seq_len})")
+    if self.hf_checkpoint and self.pretrained_model:
+      raise ValueError("give at most one of pretrained_model and hf_checkpoint (the model RL "
+                       "starts from)")
+    if self.hf_export and not self.hf_checkpoint:
+      raise ValueError("hf_export needs hf_checkpoint (the architecture and tokenizer an export "
+                       "is written in)")
     if self.rl_tasks not in RL_TASKS:
       raise ValueError(f"rl_tasks must be one of {RL_TASKS}, got {self.rl_tasks!r}")
     if not 0.0 < self.rl_held_back_fraction < 1.0:

@@ -22,15 +22,18 @@ from envs.harness import toolcall
 from envs.sandbox import pool as pool_lib
 from envs.tasks import suite_pyfunc
 from envs.tasks import suite_repo
+from envs.tasks import task_format
 from envs.tasks import transcripts as transcripts_lib
 from evaluation import evaluate as evaluate_lib
 from evaluation import teacher_forced
+from experiment import hf_checkpoint
 from experiment import reporting
 from experiment import splits
 from experiment.config import ExperimentConfig
 from moe import build
 from moe import checkpoint as moe_checkpoint
 from moe import sharding
+from moe.hf import special_tokens
 from moe import tokenizer as tokenizer_lib
 from moe.tokenizer import BPETokenizer, ByteTokenizer
 from pipeline import local
@@ -55,9 +58,12 @@ def write_corpus(docs: list, directory: str) -> list:
   return paths
 
 
-def _engine_config(cfg: ExperimentConfig, slots: int) -> EngineConfig:
+def _engine_config(cfg: ExperimentConfig, slots: int, eos_token_ids: tuple = ()) -> EngineConfig:
+  """The samplers' engine; `eos_token_ids` (a checkpoint's, e.g. a chat model's <|im_end|>) end
+  every completion besides the tokenizer's EOS."""
   if cfg.suite == "pyfunc":
-    return EngineConfig(max_slots=slots, max_len=cfg.model.max_seq_len, decode_steps=16)
+    return EngineConfig(max_slots=slots, max_len=cfg.model.max_seq_len, decode_steps=16,
+                        eos_token_ids=tuple(eos_token_ids))
   # Agent turns come in every prompt length, batch size and cached-prefix length: left to
   # pick the smallest shape for each call, the engine compiles a program for nearly every
   # combination (seconds each on a CPU; they dominated a multi-turn evaluation). Deterministic
@@ -66,24 +72,29 @@ def _engine_config(cfg: ExperimentConfig, slots: int) -> EngineConfig:
   # alone.
   window = cfg.model.max_seq_len
   return EngineConfig(max_slots=slots, max_len=window, decode_steps=16, deterministic=True,
-                      min_prefill_len=max(16, window // 16))
+                      min_prefill_len=max(16, window // 16), eos_token_ids=tuple(eos_token_ids))
 
 
 def _save_model(model, tokenizer, directory: str) -> None:
-  """The model's parameters, and its tokenizer.json beside them when it has a trained one."""
+  """The model's parameters, and its tokenizer beside them unless it is bytes: a trained BPE's
+  tokenizer.json, or a checkpoint's tokenizer files (tokenizer.json, tokenizer_config.json with
+  its roles, its chat template), so `moe.tokenizer.for_model(directory)` finds either."""
   moe_checkpoint.save_params(model, directory)
   if isinstance(tokenizer, BPETokenizer):
     tokenizer.save(directory)
+  elif isinstance(tokenizer, tokenizer_lib.JsonTokenizer):
+    special_tokens.write_tokenizer(tokenizer, directory, vocab_size=model.config.vocab_size)
 
 
 def _eval(model, tasks, cfg: ExperimentConfig, pool, out_path: str, progress=None,
-          tokenizer=None):
+          tokenizer=None, eos_token_ids: tuple = ()):
   e = cfg.eval
   report = evaluate_lib.evaluate(
       model, tasks, n=e.samples, k_list=e.k_list, temperature=e.temperature,
       max_tokens=e.max_tokens, seed=cfg.seed + 17, pool=pool, out_path=out_path,
-      engine_config=_engine_config(cfg, 64 if cfg.suite == "pyfunc" else 16), progress=progress,
-      loop_config=cfg.agent.loop_config(e.max_tokens), tokenizer=tokenizer)
+      engine_config=_engine_config(cfg, 64 if cfg.suite == "pyfunc" else 16, eos_token_ids),
+      progress=progress, loop_config=cfg.agent.loop_config(e.max_tokens), tokenizer=tokenizer,
+      add_bos=tokenizer is None or tokenizer.bos_id is not None)
   passed = sum(r.c for r in report.results)
   total = sum(r.n for r in report.results)
   return report, passed, total
@@ -161,14 +172,18 @@ def with_tokenizer(cfg: ExperimentConfig, tokenizer) -> ExperimentConfig:
 
 def pretrain(cfg: ExperimentConfig, run_dir: str, all_tasks, mesh, *,
              rep: Optional[reporting.Reporter] = None,
-             echo: Callable[[str], None] = print, pool=None, tokenizer=None):
-  """Continual pre-training on the generated corpus (`corpus`, in `tokenizer`'s tokens);
-  returns the model (fresh if steps == 0). cfg.model's vocabulary must hold the tokenizer's."""
+             echo: Callable[[str], None] = print, pool=None, tokenizer=None, init_model=None):
+  """Continual pre-training on the generated corpus (`corpus`, in `tokenizer`'s tokens) of
+  `init_model` (an imported checkpoint), else of a fresh model; returns the model (`init_model`
+  or the fresh one if steps == 0). cfg.model's vocabulary must hold the tokenizer's."""
   t0 = time.time()
   tokenizer = tokenizer or ByteTokenizer()
   pre_cfg = cfg.model.replace(capacity_factor=cfg.pretrain.capacity_factor)
   p = cfg.pretrain
-  pre = learner_lib.build_learner(p.learner_config(), pre_cfg, mesh=mesh, seed=cfg.seed)
+  if init_model is not None:  # the same weights under the pre-training capacity
+    init_model = nnx.merge(nnx.graphdef(build.abstract(pre_cfg)), nnx.state(init_model))
+  pre = learner_lib.build_learner(p.learner_config(), pre_cfg, mesh=mesh, seed=cfg.seed,
+                                  init_model=init_model)
   if p.steps:
     docs, about = corpus(cfg, all_tasks, pool, tokenizer)
     about["tokenizer"] = {"kind": cfg.tokenizer, "vocab_size": tokenizer.vocab_size}
@@ -248,13 +263,15 @@ def eval_split(cfg: ExperimentConfig, tasks: Optional[Sequence] = None):
   split="rl_only" in `all tasks`, so the corpus and the tokenizer, which read the train split,
   never see them.
 
-  `tasks`: the tasks to use (default: the built-in suite of cfg.suite, envs.tasks.suite_pyfunc
-  or envs.tasks.suite_repo),
+  `tasks`: the tasks to use (default: cfg.task_file's, else the built-in suite of cfg.suite,
+  envs.tasks.suite_pyfunc or envs.tasks.suite_repo),
   their `split` saying which are train and which held out. Normally the evaluated tasks are the
   held-out split. With cfg.validation_fraction > 0 they are a validation split carved from the train
   tasks (relabelled in `all tasks`, so the pre-training corpus leaves them out as it leaves out
   held-out tasks) and the held-out split is not used.
   """
+  if tasks is None and cfg.task_file:
+    tasks = load_task_file(cfg.task_file)
   if tasks is None:
     all_tasks = suite_repo.generate() if cfg.suite == "repo" else suite_pyfunc.generate()
   else:
@@ -269,6 +286,24 @@ def eval_split(cfg: ExperimentConfig, tasks: Optional[Sequence] = None):
   if cfg.rl_tasks == "held_back":  # RL's tasks leave the train split, so the corpus lacks them
     all_tasks, _, train = splits.carve(all_tasks, cfg.rl_held_back_fraction, splits.RL_ONLY)
   return all_tasks, train[:cfg.train_tasks], evaluated[:cfg.heldout_tasks], name
+
+
+def load_task_file(path: str) -> list:
+  """The tasks of ExperimentConfig.task_file (envs.tasks.task_format.load_tasks).
+
+  Raises:
+    ValueError: no such file or directory, no tasks in it, or tasks the loader rejects (each
+      with its reasons): a run must not quietly train on fewer tasks than it was given.
+  """
+  if not os.path.exists(path):
+    raise ValueError(f"task_file {path!r} does not exist")
+  loaded = task_format.load_tasks(path)
+  if loaded.rejected:
+    raise ValueError(f"task_file {path}: {len(loaded.rejected)} task(s) rejected: " + "; ".join(
+        f"{r.task_id or r.source}: {', '.join(r.reasons)}" for r in loaded.rejected))
+  if not loaded.tasks:
+    raise ValueError(f"task_file {path} holds no tasks")
+  return loaded.tasks
 
 
 def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
@@ -291,6 +326,10 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
   for reward hacking, and the final policy version (what shows RL trained).
 
   With evaluate=False only the training phases run (the `//tools:train` entry point).
+
+  With cfg.hf_checkpoint the run starts from that Hugging Face checkpoint and its tokenizer
+  (experiment.hf_checkpoint) and ends by exporting the final model as one (cfg.hf_export, else
+  run_dir/hf_export; summary["hf_export"]).
   """
   t_start = time.time()
   os.makedirs(run_dir, exist_ok=True)
@@ -307,6 +346,7 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
   try:
     # -- 0. the tokenizer (BPE: trained on a sample of the corpus; its size sets the vocabulary)
     t0 = time.time()
+    source = None  # the Hugging Face checkpoint the run starts from, if any
     if cfg.pretrained_model:  # Start from a saved model: no tokenizer training, no pre-training.
       model = moe_checkpoint.load_model(cfg.pretrained_model)
       tok = tokenizer_lib.for_model(cfg.pretrained_model, model.config.vocab_size)
@@ -314,16 +354,27 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
       echo(f"pre-trained model: {cfg.pretrained_model} ({type(tok).__name__}, "
            f"{tok.vocab_size} ids); tokenizer training and pre-training skipped")
     else:
-      tok = make_tokenizer(cfg, all_tasks, pool)
-      cfg = with_tokenizer(cfg, tok)
-      if isinstance(tok, BPETokenizer):
-        timings["tokenizer_s"] = time.time() - t0
-        echo(f"tokenizer: byte-level BPE of {tok.vocab_size} ids in {time.time() - t0:.0f}s")
+      model = None
+      if cfg.hf_checkpoint:  # Its own tokenizer; pre-training only if configured.
+        model, tok, source = hf_checkpoint.load(cfg)
+        cfg = dataclasses.replace(cfg, model=model.config)
+        timings["import_s"] = time.time() - t0
+        echo(f"Hugging Face checkpoint: {cfg.hf_checkpoint} ({source.architecture}, "
+             f"{tok.vocab_size} token ids, EOS ids {list(source.eos_token_ids)}) in "
+             f"{time.time() - t0:.0f}s; tokenizer training skipped")
+      else:
+        tok = make_tokenizer(cfg, all_tasks, pool)
+        cfg = with_tokenizer(cfg, tok)
+        if isinstance(tok, BPETokenizer):
+          timings["tokenizer_s"] = time.time() - t0
+          echo(f"tokenizer: byte-level BPE of {tok.vocab_size} ids in {time.time() - t0:.0f}s")
       # -- 1. continual pre-training on code -----------------------------------------------
-      t0 = time.time()
-      model = pretrain(cfg, run_dir, all_tasks, mesh, rep=rep, echo=echo, pool=pool,
-                       tokenizer=tok)
-      timings["pretrain_s"] = time.time() - t0
+      if model is None or cfg.pretrain.steps:
+        t0 = time.time()
+        model = pretrain(cfg, run_dir, all_tasks, mesh, rep=rep, echo=echo, pool=pool,
+                         tokenizer=tok, init_model=model)
+        timings["pretrain_s"] = time.time() - t0
+    eos = source.eos_token_ids if source is not None else ()
     if isinstance(tok, BPETokenizer):
       tok.save(os.path.join(run_dir, "tokenizer"))
     _save_model(model, tok, os.path.join(run_dir, "pretrained_model"))
@@ -332,7 +383,8 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
     t0 = time.time()
     if evaluate:
       before, b_pass, b_total = _eval(model, heldout, cfg, pool,
-                                      os.path.join(run_dir, "eval_before.jsonl"), tokenizer=tok)
+                                      os.path.join(run_dir, "eval_before.jsonl"), tokenizer=tok,
+                                      eos_token_ids=eos)
       rep.log("eval", 0, {"pass1": b_pass / b_total, "passed": b_pass, "samples": b_total,
                           **{f"pass@{k}": v for k, v in before.pass_at_k.items()
                              if v is not None}}, advance=0)
@@ -387,7 +439,7 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
           learner=rl_learner, tasks=train, pool=pool,
           workdir=os.path.join(run_dir, "rl"),
           config=r.pipeline, num_steps=r.steps, num_samplers=r.num_samplers,
-          engine_config=_engine_config(cfg, r.sampler_slots), on_step=on_step,
+          engine_config=_engine_config(cfg, r.sampler_slots, eos), on_step=on_step,
           on_group=on_group, loop_config=cfg.agent.loop_config(r.pipeline.max_new_tokens),
           tokenizer=tok)
       rep.end_phase()
@@ -418,12 +470,19 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
     t0 = time.time()
     if evaluate:
       after, a_pass, a_total = _eval(rl_learner.model(), heldout, cfg, pool,
-                                     os.path.join(run_dir, "eval_after.jsonl"), tokenizer=tok)
+                                     os.path.join(run_dir, "eval_after.jsonl"), tokenizer=tok,
+                                     eos_token_ids=eos)
       rep.log("eval", max(r.steps, 1), {
           "pass1": a_pass / a_total, "passed": a_pass, "samples": a_total,
           **{f"pass@{k}": v for k, v in after.pass_at_k.items() if v is not None}}, advance=0)
       timings["eval_after_s"] = time.time() - t0
     _save_model(rl_learner.model(), tok, os.path.join(run_dir, "final_model"))
+    if source is not None:
+      t0 = time.time()
+      export_dir = cfg.hf_export or os.path.join(run_dir, "hf_export")
+      hf_checkpoint.export(rl_learner.model(), tok, source, export_dir)
+      timings["export_s"] = time.time() - t0
+      echo(f"Hugging Face export: {export_dir}")
   finally:
     pool.close()
     rep.close()
@@ -436,6 +495,8 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
       "final_model": os.path.join(run_dir, "final_model"),
       "rl": rl_totals,
   }
+  if source is not None:
+    summary["hf_export"] = export_dir
   probe_path = os.path.join(run_dir, "copy_probe.json")  # written by pretrain (probe_tasks)
   if os.path.exists(probe_path):
     with open(probe_path, encoding="utf-8") as f:

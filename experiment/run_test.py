@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 
+from envs.tasks import task_format
 from experiment import run as run_lib
 from experiment import testing as experiment_testing
 from experiment.config import EvalConfig, ExperimentConfig, PretrainConfig, RLConfig
@@ -109,6 +110,21 @@ def test_validation_mode_evaluates_carved_train_tasks_not_heldout():
   with pytest.raises(ValueError, match="smaller than the tokenizer's"):
     run_lib.with_tokenizer(ExperimentConfig(model=TINY.replace(vocab_size=200)),
                            run_lib.ByteTokenizer())
+
+
+def test_a_task_file_replaces_the_built_in_suite_and_rejected_tasks_are_errors(tmp_path):
+  given = experiment_testing.even_code_tasks(n_train=3, n_test=2)
+  path = str(tmp_path / "tasks.jsonl")
+  task_format.dump_jsonl(given, path)
+  cfg = ExperimentConfig(model=TINY, task_file=path)
+  all_tasks, train, heldout, _ = run_lib.eval_split(cfg)
+  assert all_tasks == given and train == given[:3] and heldout == given[3:]
+  with open(path, "a", encoding="utf-8") as f:
+    f.write(json.dumps({**given[0].to_json(), "task_id": "bad one"}) + "\n")
+  with pytest.raises(ValueError, match=r"1 task\(s\) rejected: .*task_id 'bad one' must match"):
+    run_lib.eval_split(cfg)
+  with pytest.raises(ValueError, match="does not exist"):
+    run_lib.eval_split(dataclasses.replace(cfg, task_file=str(tmp_path / "none.jsonl")))
 
 
 def test_held_back_rl_tasks_are_out_of_the_corpus_and_the_evaluated_split():

@@ -30,7 +30,8 @@ switch and falls back to `EvalConfig()` defaults without runs/eval.gin.
 `load_experiment` turns every way a config can be wrong into a `ConfigError` before any work
 starts: unknown configurables or parameters, `%gin.REQUIRED` values left unset, bindings that
 nothing uses (e.g. `RLConfig.steps` without a run file that binds `ExperimentConfig.rl`), a mesh
-the devices or the model cannot take, and the dataclasses' own `__post_init__` checks.
+the devices or the model cannot take, and the dataclasses' own `__post_init__` checks. With
+`ExperimentConfig.hf_checkpoint` the model checked (and returned) is the checkpoint's.
 """
 
 from __future__ import annotations
@@ -350,6 +351,23 @@ _CONSTRUCTED_BY = {
 }
 
 
+def _with_checkpoint(cfg: ExperimentConfig) -> ExperimentConfig:
+  """`cfg` as the run will see it when it starts from a Hugging Face checkpoint: the
+  checkpoint's model (experiment.hf_checkpoint.with_checkpoint_model, config.json only), so the
+  mesh and batches are checked against it; a missing task file fails here too."""
+  for name in ("hf_checkpoint", "task_file"):
+    path = getattr(cfg, name)
+    if path and not os.path.exists(path):
+      raise ConfigError(f"ExperimentConfig.{name}: {path} does not exist")
+  if not cfg.hf_checkpoint:
+    return cfg
+  from experiment import hf_checkpoint  # pylint: disable=g-import-not-at-top
+  try:
+    return hf_checkpoint.with_checkpoint_model(cfg)
+  except ValueError as e:  # moe.hf.CheckpointError, or the run does not fit the model
+    raise ConfigError(f"bad experiment config: --hf_checkpoint {cfg.hf_checkpoint}: {e}") from e
+
+
 def load_experiment(gin_files: Sequence[str], bindings: Sequence[str] = (), *,
                     num_devices: Optional[int] = None,
                     check_devices: bool = True) -> ExperimentConfig:
@@ -395,6 +413,7 @@ def load_experiment(gin_files: Sequence[str], bindings: Sequence[str] = (), *,
     hints = sorted({_CONSTRUCTED_BY[u.split("/")[-1].split(".")[0]] for u in unused})
     raise ConfigError(f"bindings that nothing uses: {', '.join(unused)}; they take effect only "
                       f"if the experiment binds {'; '.join(hints)}")
+  cfg = _with_checkpoint(cfg)
   if check_devices and num_devices is None:
     import jax  # pylint: disable=g-import-not-at-top
     num_devices = jax.device_count()

@@ -3,9 +3,9 @@ bindings and flags (flags win), the old binding spelling refused, the binary's a
 (generated, in a 0600 file the start-up line names), the served model's name (its checkpoint's),
 and the binary serving a checkpoint saved by transformers with its own tokenizer and chat template.
 
-The binary runs as a process the way Bazel runs it (`_start`): under `bazel test` the
-`//tools:serve` binary itself; outside Bazel what its stub executes, the toolchain's interpreter
-(build_defs/venv_python.sh) on tools/serve.py as a script. Reading the checkpoint's
+The binary runs as a process the way Bazel runs it (`tools.testing.Binary`): under `bazel test`
+the `//tools:serve` binary itself; outside Bazel what its stub executes, the toolchain's
+interpreter (build_defs/venv_python.sh) on tools/serve.py as a script. Reading the checkpoint's
 tokenizer.json imports the `tokenizers` library, which a module of that name on the process's
 sys.path once shadowed (rollout/tokenizers.py): the server died at start-up. The guard against
 such names, and the interpreter check, are build_defs/module_names_test.py.
@@ -13,12 +13,9 @@ such names, and the interpreter check, are build_defs/module_names_test.py.
 
 import json
 import os
-import queue
 import re
 import stat
-import subprocess
 import sys
-import threading
 import urllib.error
 import urllib.request
 
@@ -26,9 +23,8 @@ import pytest
 
 from moe.hf import testutil
 from tools import serve
-
-WAIT_S = 300  # the subprocess imports JAX and builds an engine: slow on a loaded machine
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tools import testing
+from tools.testing import WAIT_S
 
 TINY = "--gin_file=moe/configs/tiny.gin"
 SERVE = "--gin_file=tools/configs/runs/serve.gin"
@@ -74,53 +70,13 @@ def test_needs_a_source_of_weights():
     serve.build_engine(serve.parse_args([]))
 
 
-def _binary() -> list:
-  """The command that runs //tools:serve as Bazel runs it (see the module docstring)."""
-  if os.environ.get("TEST_SRCDIR"):
-    path = os.path.join(os.environ["TEST_SRCDIR"], os.environ["TEST_WORKSPACE"], "tools", "serve")
-    assert os.path.isfile(path), f"{path} is missing: serve_test needs data = [\":serve\"]"
-    return [path]
-  return [os.path.join(ROOT, "build_defs", "venv_python.sh"), os.path.join(ROOT, "tools", "serve.py")]
-
-
-class _Binary:
-  """//tools:serve running as a process; `line` is its start-up line (the one line it prints).
-
-  Raises AssertionError with the process's stderr if it exits or prints nothing within WAIT_S.
-  """
-
-  def __init__(self, args, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "ROLLOUT_ADMIN_TOKEN"}
-    if not os.environ.get("TEST_SRCDIR"):  # Bazel's stub sets PYTHONPATH itself
-      env["PYTHONPATH"] = ROOT
-    self._stderr = open(tmp_path / "serve.stderr", "w+")  # pylint: disable=consider-using-with
-    self.proc = subprocess.Popen(_binary() + list(args), stdout=subprocess.PIPE,
-                                 stderr=self._stderr, text=True, env=env, cwd=ROOT)
-    lines = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(x) for x in self.proc.stdout] + [lines.put(None)],
-                     daemon=True).start()
-    try:
-      self.line = lines.get(timeout=WAIT_S)
-    except queue.Empty:
-      self.line = None
-    if self.line is None:
-      self.close()
-      self._stderr.seek(0)
-      raise AssertionError(f"//tools:serve printed no start-up line within {WAIT_S} s (exit "
-                           f"{self.proc.returncode}); stderr:\n{self._stderr.read()[-4000:]}")
-
-  def close(self):
-    if self.proc.poll() is None:
-      self.proc.terminate()
-    self.proc.wait(WAIT_S)
-
-
 def test_serve_writes_the_admin_token_file_and_says_where_it_is(tmp_path):
   """The binary end to end: the admin app on loopback requires the generated token, which is in
   a 0600 file; the start-up line names the file and does not show the token."""
   token_file = tmp_path / "token"
-  binary = _Binary([TINY, SERVE, "--max_slots=2", "--max_len=32", "--port=0", "--admin_port=0",
-                    f"--admin_token_file={token_file}"], tmp_path)
+  binary = testing.Binary("serve", [TINY, SERVE, "--max_slots=2", "--max_len=32", "--port=0",
+                                    "--admin_port=0", f"--admin_token_file={token_file}"],
+                          tmp_path)
   try:
     line = binary.line
     m = re.search(r"admin on http://127\.0\.0\.1:(\d+), admin token in (\S+) ", line)
@@ -163,11 +119,12 @@ def test_the_binary_serves_a_transformers_checkpoint_with_its_own_tokenizer(
   text is that tokenizer's decoding of its token ids; chat messages are rendered by its chat
   template; /v1/models names the checkpoint; all through the real entry point."""
   d, ref = transformers_checkpoint
-  binary = _Binary([f"--hf_checkpoint={d}", "--port=0", "--admin_port=-1", "--max_slots=4",
-                    "--max_len=64", "--decode_steps=4"], tmp_path)
+  binary = testing.Binary("serve", [f"--hf_checkpoint={d}", "--port=0", "--admin_port=-1",
+                                    "--max_slots=4", "--max_len=64", "--decode_steps=4"],
+                          tmp_path)
   messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "fix it"}]
   try:
-    port = re.search(r"listening on http://127\.0\.0\.1:(\d+) ", binary.line).group(1)
+    port = testing.serve_port(binary.line)
     prompt = "def add(a, b):\n    return"
     out = _post_json(port, "/v1/completions",
                      {"prompt": prompt, "max_tokens": 16, "n": 3, "temperature": 1.0, "seed": 7,
