@@ -204,12 +204,15 @@ class ChatTemplate:
       raise ChatTemplateError(f"{origin} does not compile: {e.message} (line {e.lineno})") from e
 
   def render(self, messages: Sequence[Mapping], *, add_generation_prompt: bool = True,
-             **variables) -> str:
-    """The prompt text of `messages` (OpenAI-style dicts: role, content, ...).
+             tools: Optional[Sequence[Mapping]] = None, **variables) -> str:
+    """The prompt text of `messages` (OpenAI-style dicts: role, content, tool_calls, ...).
 
     `add_generation_prompt` appends the start of an assistant turn (what a chat server wants:
-    the model writes the reply next). `variables` are further template variables (e.g.
-    `enable_thinking=False` for Qwen3); they override the special tokens, as in transformers.
+    the model writes the reply next). `tools` are the JSON schemas of the functions the model
+    may call (OpenAI's `{"type": "function", "function": {...}}` entries), given to the template
+    as transformers gives them (as they are; templates that know tools list them in the
+    prompt). `variables` are further template variables (e.g. `enable_thinking=False` for
+    Qwen3); they override the special tokens, as in transformers.
 
     Raises:
       ChatTemplateError: the template refused the conversation (its `raise_exception`) or failed
@@ -217,8 +220,12 @@ class ChatTemplate:
     """
     chat = normalize_messages(messages)
     kwargs = _plain({**self.special_tokens, **variables})
+    if tools is not None and (isinstance(tools, (str, bytes, Mapping)) or
+                              not all(isinstance(t, Mapping) for t in tools)):
+      raise ChatTemplateError("tools are a list of JSON schemas (mappings)")
     try:
-      return self._template.render(messages=chat, tools=None, documents=None,
+      return self._template.render(messages=chat, tools=_plain(list(tools))
+                                   if tools is not None else None, documents=None,
                                    add_generation_prompt=bool(add_generation_prompt), **kwargs)
     except _Refused as e:
       raise ChatTemplateError(f"the chat template refused the conversation: {e.message}") from e

@@ -75,6 +75,44 @@ def test_renders_as_transformers_does(qwen_dir, name, add_generation_prompt):
   assert text.endswith("<|im_start|>assistant\n") == add_generation_prompt
 
 
+TOOLS = [{"type": "function", "function": {
+    "name": "run_tests", "description": "Runs the tests <fast> & 'quiet' 🙂",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
+                   "required": ["path"]}}}]
+# Tool calls with arguments as an object (transformers' documented form) and as the JSON string
+# OpenAI's API sends; two tool results in a row.
+TOOL_CONVERSATION = [
+    {"role": "system", "content": "You fix bugs."},
+    {"role": "user", "content": "fix road.py"},
+    {"role": "assistant", "content": "Running them.", "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "run_tests", "arguments": {"path": "road.py"}}},
+        {"id": "call_2", "type": "function",
+         "function": {"name": "run_tests", "arguments": '{"path": "naïve.py"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "1 failed"},
+    {"role": "tool", "tool_call_id": "call_2", "content": "ok"},
+]
+
+
+@pytest.mark.parametrize("tools", [TOOLS, None])
+def test_tools_and_tool_calls_render_as_transformers_does(qwen_dir, tools):
+  d, ref = qwen_dir
+  tok = tokenizer.for_model(d, len(ref))
+  text = tok.chat_template.render(TOOL_CONVERSATION, tools=tools)
+  want = ref.apply_chat_template(TOOL_CONVERSATION, tools=tools, tokenize=False,
+                                 add_generation_prompt=True)
+  assert text == want
+  assert tok.encode(text) == _ids(ref.apply_chat_template(
+      TOOL_CONVERSATION, tools=tools, tokenize=True, add_generation_prompt=True))
+  assert ('{"name": "run_tests", "arguments": {"path": "road.py"}}' in text and
+          '{"name": "run_tests", "arguments": {"path": "naïve.py"}}' in text)
+  assert ("<tools>" in text) == (tools is not None)
+  if tools:  # listed as JSON, nothing escaped
+    assert json.dumps(TOOLS[0], ensure_ascii=False) in text
+  with pytest.raises(chat_template.ChatTemplateError, match="list of JSON schemas"):
+    tok.chat_template.render(TOOL_CONVERSATION, tools=["run_tests"])
+
+
 def test_template_variables_reach_the_template(qwen_dir):
   d, ref = qwen_dir
   tok = tokenizer.for_model(d, len(ref))

@@ -78,11 +78,23 @@ TOKENIZER_TEXTS = ("def add(a, b):\n    return a + b\n", "print('hello world')\n
 
 
 # A chat template in the style of Qwen3's (written for these tests, not copied): a leading system
-# turn, <|im_start|>/<|im_end|> turns, tool results as user turns, reasoning shown only for the
-# assistant turns after the last user query, `namespace` state, `raise_exception` on a bad
-# conversation, and the generation prompt (with an empty think block for enable_thinking=false).
+# turn (listing the `tools` as JSON when there are some), <|im_start|>/<|im_end|> turns, an
+# assistant's `tool_calls` as <tool_call> blocks (arguments given as a string or an object), tool
+# results as user turns, reasoning shown only for the assistant turns after the last user query,
+# `namespace` state, `raise_exception` on a bad conversation, and the generation prompt (with an
+# empty think block for enable_thinking=false).
 QWEN3_STYLE_TEMPLATE = """\
-{%- if messages[0].role == 'system' %}
+{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\n\n' }}
+    {%- endif %}
+    {{- '# Tools\n\nYou may call functions. Their signatures:\n<tools>' }}
+    {%- for tool in tools %}
+        {{- '\n' + tool | tojson }}
+    {%- endfor %}
+    {{- '\n</tools>\n\nCall one as <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call><|im_end|>\n' }}
+{%- elif messages[0].role == 'system' %}
     {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
 {%- endif %}
 {%- set ns = namespace(last_query=-1) %}
@@ -109,7 +121,21 @@ QWEN3_STYLE_TEMPLATE = """\
         {%- if loop.index0 > ns.last_query and reasoning %}
             {{- '<think>\n' + reasoning + '\n</think>\n\n' }}
         {%- endif %}
-        {{- content + '<|im_end|>\n' }}
+        {{- content }}
+        {%- for call in message.tool_calls or [] %}
+            {%- if content or not loop.first %}
+                {{- '\n' }}
+            {%- endif %}
+            {%- set fn = call.function if call.function else call %}
+            {{- '<tool_call>\n{"name": "' + fn.name + '", "arguments": ' }}
+            {%- if fn.arguments is string %}
+                {{- fn.arguments }}
+            {%- else %}
+                {{- fn.arguments | tojson }}
+            {%- endif %}
+            {{- '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
     {%- elif message.role == 'tool' %}
         {{- '<|im_start|>user\n<tool_response>\n' + message.content + '\n</tool_response><|im_end|>\n' }}
     {%- else %}
@@ -148,15 +174,16 @@ def bpe_tokenizer(texts=TOKENIZER_TEXTS, vocab_size: int = 320,
   return fast
 
 
-def save_with_tokenizer(path, *, seed: int = 0, extra_ids: int = 16) -> str:
-  """A real-style checkpoint in `path`: a tiny seeded Qwen3-MoE (`qwen3_config`) and
-  `bpe_tokenizer()`, both saved by transformers (config.json, generation_config.json,
-  model.safetensors, tokenizer.json, tokenizer_config.json, chat_template.jinja). The model has
-  `extra_ids` ids past the tokenizer's (an embedding padded past its tokenizer, as Qwen's) and
-  the tokenizer's EOS / pad; returns `path`."""
+def save_with_tokenizer(path, *, seed: int = 0, extra_ids: int = 16, **config) -> str:
+  """A real-style checkpoint in `path`: a tiny seeded Qwen3-MoE (`qwen3_config`, `config`
+  overriding its fields, e.g. max_position_embeddings) and `bpe_tokenizer()`, both saved by
+  transformers (config.json, generation_config.json, model.safetensors, tokenizer.json,
+  tokenizer_config.json, chat_template.jinja). The model has `extra_ids` ids past the
+  tokenizer's (an embedding padded past its tokenizer, as Qwen's) and the tokenizer's EOS / pad;
+  returns `path`."""
   tok = bpe_tokenizer()
-  cfg = qwen3_config(vocab_size=len(tok) + extra_ids, eos_token_id=tok.eos_token_id,
-                     pad_token_id=tok.pad_token_id, bos_token_id=None)
+  cfg = qwen3_config(**{"vocab_size": len(tok) + extra_ids, "eos_token_id": tok.eos_token_id,
+                        "pad_token_id": tok.pad_token_id, "bos_token_id": None, **config})
   save(make_model(cfg, seed=seed), path)
   tok.save_pretrained(str(path))
   return str(path)
