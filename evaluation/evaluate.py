@@ -16,6 +16,12 @@ Infrastructure failures (sandbox or sampler broke) are not the model's: they are
 that task's n and counted in its flags; a task left with fewer than k good samples has no pass@k
 and is left out of the mean (the report counts how many tasks each mean covers).
 
+Prompt style (`prompt_style`, single-turn tasks): "completion" continues each task's prompt (a
+base model's task), "chat" asks for it in a user message rendered with the tokenizer's chat template
+and grades the code in the answer (`envs.harness.chat_style`: a chat model's task). Either way a
+completion also ends at `eos_token_ids` (a checkpoint's EOS list: a chat model ends its turn with
+a token, such as Qwen3's `<|im_end|>`, that is not its tokenizer's EOS).
+
 Per-task results go to a JSONL file (task id, suite, n, c, pass@k, every sample's completion,
 reward and flags) and the summary next to it (`<out>.summary.json`). Seeds are derived from
 (seed, task id), so results do not depend on task order or concurrency.
@@ -34,11 +40,15 @@ from typing import Any, Callable, Optional, Sequence
 from envs import reward as reward_lib
 from envs.harness import agent_loop
 from envs.harness import attempts as attempts_lib
+from envs.harness import chat_style
 from envs.harness import inprocess_policy
+from envs.harness import single_turn
 from envs.harness import trajectory as traj_lib
 from envs.tasks import task_format
 from evaluation import passk
 from evaluation import sources
+
+PROMPT_STYLES = ("completion", "chat")
 
 
 @dataclasses.dataclass
@@ -83,6 +93,7 @@ class EvalReport:
   wall_s: float
   samples_per_s: float
   out_path: Optional[str] = None
+  prompt_style: str = "completion"
 
   def summary(self) -> dict:
     d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "results"}
@@ -108,6 +119,36 @@ def task_seed(seed: int, task_id: str) -> int:
   """A 31-bit seed from (seed, task id): independent of task order."""
   h = hashlib.sha256(f"{seed}:{task_id}".encode()).digest()
   return int.from_bytes(h[:4], "little") & 0x7FFFFFFF
+
+
+def single_turn_style(prompt_style: str, tokenizer):
+  """The harness's single-turn style for `prompt_style` (see the module docstring): "chat"
+  renders with `tokenizer.chat_template` (`moe.chat_template`, as transformers'
+  apply_chat_template with add_generation_prompt=True) and encodes with `tokenizer`.
+
+  Raises:
+    ValueError: an unknown style, or "chat" with a tokenizer that has no chat template.
+  """
+  if prompt_style == "completion":
+    return single_turn.COMPLETION
+  if prompt_style != "chat":
+    raise ValueError(f"prompt_style must be one of {PROMPT_STYLES}, got {prompt_style!r}")
+  template = getattr(tokenizer, "chat_template", None)
+  if template is None:
+    raise ValueError("prompt_style 'chat' needs a chat template, and this tokenizer has none "
+                     "(its checkpoint has no chat_template.jinja or tokenizer_config.json "
+                     "'chat_template'); evaluate it with prompt_style 'completion'")
+
+  def render_ids(messages):
+    return tokenizer.encode(template.render(messages, add_generation_prompt=True))
+
+  return chat_style.ChatStyle(render_ids)
+
+
+def prompt_ids(task: task_format.Task, style, tokenizer, add_bos: bool) -> list:
+  """The ids a single-turn `task`'s prompt is sent as under `style` (`single_turn_style`)."""
+  return style.prompt_ids(task, inprocess_policy.InProcessPolicy(None, tokenizer,
+                                                                 add_bos=add_bos))
 
 
 def _passed(t: traj_lib.Trajectory) -> bool:
@@ -139,7 +180,8 @@ def _task_result(task: task_format.Task, mode: str, trajs: Sequence[traj_lib.Tra
 def evaluate(model_or_engine: Any, tasks: Sequence[task_format.Task], *, n: int = 1,
              k_list: Sequence[int] = (1,), temperature: float = 0.0, max_tokens: int = 96,
              seed: int = 0, pool, out_path: Optional[str] = None, tokenizer=None,
-             add_bos: bool = True, mode: str = "auto",
+             add_bos: bool = True, mode: str = "auto", prompt_style: str = "completion",
+             eos_token_ids: Sequence[int] = (),
              reward_config: reward_lib.RewardConfig = reward_lib.RewardConfig(),
              loop_config: Optional[agent_loop.LoopConfig] = None,
              engine_config=None, max_concurrency: int = 64,
@@ -164,6 +206,12 @@ def evaluate(model_or_engine: Any, tasks: Sequence[task_format.Task], *, n: int 
       must have one.
     mode: "auto" (single-turn when the task has a prompt, else the agent loop), "single_turn"
       or "agent".
+    prompt_style: how single-turn tasks are put to the model: "completion" (the prompt is
+      continued) or "chat" (a user message through the tokenizer's chat template; the code in
+      the answer is graded); see `single_turn_style`. The agent loop has its own format.
+    eos_token_ids: ids that also end a completion in an engine built here, besides the
+      tokenizer's EOS: a checkpoint's EOS list (`sources.checkpoint_eos_ids`, the default for a
+      checkpoint path).
     reward_config: grading settings, as in training.
     loop_config: agent-loop settings for agent mode (temperature, seed and max_tokens_per_turn
       are set from the arguments above).
@@ -172,9 +220,10 @@ def evaluate(model_or_engine: Any, tasks: Sequence[task_format.Task], *, n: int 
     progress: called as progress(tasks_done, num_tasks) after each task.
 
   Raises:
-    ValueError: no tasks, bad n / k_list / mode, a context the model cannot hold, no tokenizer
-      for a vocabulary that is not bytes (moe.tokenizer.TokenizerError), or add_bos with a
-      tokenizer that has no BOS.
+    ValueError: no tasks, bad n / k_list / mode / prompt_style, a context the model cannot hold,
+      no tokenizer for a vocabulary that is not bytes (moe.tokenizer.TokenizerError), add_bos
+      with a tokenizer that has no BOS, or prompt_style "chat" with one that has no chat
+      template (or whose template refuses a task's message: moe.chat_template.ChatTemplateError).
   """
   if not tasks:
     raise ValueError("no tasks to evaluate")
@@ -187,10 +236,14 @@ def evaluate(model_or_engine: Any, tasks: Sequence[task_format.Task], *, n: int 
   if len(set(ids)) != len(ids):
     raise ValueError("task ids must be unique")
   modes = [attempts_lib.mode_of(t, mode) for t in tasks]
+  if isinstance(model_or_engine, str) and not eos_token_ids:
+    eos_token_ids = sources.checkpoint_eos_ids(model_or_engine)
   model_or_engine, tokenizer = sources.with_tokenizer(model_or_engine, tokenizer)
   if add_bos and tokenizer.bos_id is None:
     raise ValueError("add_bos=True but the tokenizer has no BOS token; pass add_bos=False")
-  longest = max(len(tokenizer.encode(t.prompt)) for t in tasks) + int(add_bos)
+  style = single_turn_style(prompt_style, tokenizer)
+  longest = max((len(prompt_ids(t, style, tokenizer, add_bos))
+                 for t, m in zip(tasks, modes) if m == "single_turn"), default=0)
   if "agent" in modes:
     lc = loop_config or agent_loop.LoopConfig()
     context = lc.max_context_tokens
@@ -199,7 +252,7 @@ def evaluate(model_or_engine: Any, tasks: Sequence[task_format.Task], *, n: int 
 
   t0 = time.monotonic()
   with sources.open_sampler(model_or_engine, context=context, engine_config=engine_config,
-                            tokenizer=tokenizer) as sampler:
+                            tokenizer=tokenizer, eos_token_ids=eos_token_ids) as sampler:
     policy = inprocess_policy.InProcessPolicy(sampler.generate, tokenizer, add_bos=add_bos,
                                               stop_strings=sampler.stop_strings)
     in_flight = max_concurrency
@@ -208,8 +261,9 @@ def evaluate(model_or_engine: Any, tasks: Sequence[task_format.Task], *, n: int 
 
     settings = attempts_lib.AttemptSettings(
         mode=mode, max_tokens=max_tokens, temperature=temperature, reward=reward_config,
-        grade_threads=n, loop=dataclasses.replace(loop_config or agent_loop.LoopConfig(),
-                                                  max_tokens_per_turn=max_tokens))
+        grade_threads=n, single_turn_style=style,
+        loop=dataclasses.replace(loop_config or agent_loop.LoopConfig(),
+                                 max_tokens_per_turn=max_tokens))
 
     slots = attempts_lib.episode_slots(pool, reserved=n)
 
@@ -242,7 +296,8 @@ def evaluate(model_or_engine: Any, tasks: Sequence[task_format.Task], *, n: int 
       solved=sum(r.c > 0 for r in results),
       pass1_count=round(sum(r.c / r.n for r in results if r.n), 2),
       infra_errors=sum(r.flags["infra_errors"] for r in results), results=results,
-      wall_s=wall, samples_per_s=len(tasks) * n / wall if wall > 0 else 0.0, out_path=out_path)
+      wall_s=wall, samples_per_s=len(tasks) * n / wall if wall > 0 else 0.0, out_path=out_path,
+      prompt_style=prompt_style)
   if out_path:
     write(report, out_path)
   return report

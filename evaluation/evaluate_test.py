@@ -15,12 +15,15 @@ import sys
 
 import pytest
 
+from envs.harness import chat_style
 from envs.harness import scripted_sampler
 from envs.harness import single_turn
 from envs.sandbox import pool as pool_lib
+from envs.tasks import suite_humaneval
 from envs.tasks import suite_pyfunc
 from evaluation import evaluate as evaluate_lib
 from evaluation import sources
+from moe import chat_template
 from moe import tokenizer as tokenizer_lib
 from rollout import testing as rollout_testing
 from rollout.engine import Engine, EngineConfig
@@ -95,6 +98,56 @@ def test_bad_arguments(pool, heldout):
     evaluate_lib.evaluate(gen, heldout, mode="chat", pool=pool)
   with pytest.raises(TypeError, match="cannot sample"):
     evaluate_lib.evaluate(42, heldout, pool=pool)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatBytes(tokenizer_lib.ByteTokenizer):
+  """The byte tokenizer with a ChatML-style template (a chat model's tokenizer, without one)."""
+  chat_template = chat_template.ChatTemplate(
+      "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
+      "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_chat_prompts_and_answers(pool, tmp_path):
+  """prompt_style="chat" on two HumanEval problems: each prompt sent is the user message through
+  the tokenizer's chat template (no BOS of the policy's), no stop string cuts an answer, and of
+  three answers per problem -- the canonical body in a fence, the canonical solution as a full
+  definition between prose, a wrong definition -- two pass: pass@1 = 2/3, pass@3 = 1."""
+  tok = ChatBytes()
+  tasks = [suite_humaneval.generate()[i] for i in (0, 38)]
+  problems = {p["entry_point"]: p for p in suite_humaneval.read_problems()}
+  gens = {}
+  for t in tasks:
+    p = problems[t.entry_point]
+    message = [{"role": "user", "content": chat_style.user_message(t)}]
+    prompt = tok.encode(tok.chat_template.render(message, add_generation_prompt=True))
+    gens[tuple(prompt)] = scripted_sampler.scripted_generate([
+        f"```python\n{p['canonical_solution']}```",
+        f"Here:\n```python\n{p['prompt']}{p['canonical_solution']}```\nDone.",
+        f"```python\ndef {t.entry_point}(*a):\n    return None\n```"])
+  seen = []
+
+  def generate(prompt_token_ids, **kw):
+    seen.append(kw)
+    return gens[tuple(prompt_token_ids)](prompt_token_ids, **kw)
+
+  out = str(tmp_path / "chat.jsonl")
+  rep = evaluate_lib.evaluate(generate, tasks, n=3, k_list=(1, 3), temperature=1.0,
+                              max_tokens=2048, seed=0, pool=pool, tokenizer=tok, add_bos=False,
+                              prompt_style="chat", out_path=out)
+  assert len(seen) == 2 and all("stop" not in kw for kw in seen)
+  assert [(r.n, r.c) for r in rep.results] == [(3, 2), (3, 2)]
+  assert rep.pass_at_k == pytest.approx({1: 2 / 3, 3: 1.0}, rel=1e-12)
+  assert rep.results[0].samples[1]["completion"].endswith("```\nDone.")
+  with open(evaluate_lib.summary_path(out), encoding="utf-8") as f:
+    assert json.load(f)["prompt_style"] == "chat"
+  # The byte tokenizer has no chat template; and there are two styles.
+  with pytest.raises(ValueError, match="'chat' needs a chat template"):
+    evaluate_lib.evaluate(generate, tasks, pool=pool, tokenizer=TOK, add_bos=False,
+                          prompt_style="chat")
+  with pytest.raises(ValueError, match="prompt_style must be one of"):
+    evaluate_lib.evaluate(generate, tasks, pool=pool, tokenizer=tok, add_bos=False,
+                          prompt_style="instruct")
 
 
 def test_tiny_random_model_report_and_determinism(pool, heldout, tmp_path):

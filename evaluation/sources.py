@@ -40,6 +40,22 @@ def load_checkpoint(path: str):
   return loading.load_model(checkpoint=path)
 
 
+def checkpoint_eos_ids(path: str) -> tuple:
+  """Every id that ends generation for the checkpoint at `path`: a Hugging Face checkpoint's
+  generation_config.json EOS list, else its config.json's (`moe.hf.eos_token_ids`: a chat
+  model's end-of-turn token is often only in the former); () for a project checkpoint, whose
+  tokenizer's EOS is the one.
+
+  Raises:
+    ValueError (moe.hf.CheckpointError): an unreadable file or a malformed eos_token_id.
+  """
+  from rollout import loading  # pylint: disable=g-import-not-at-top
+  if not loading.is_hf_checkpoint(path):
+    return ()
+  from moe import hf  # pylint: disable=g-import-not-at-top
+  return tuple(hf.eos_token_ids(path))
+
+
 def with_tokenizer(source: Any, tokenizer=None) -> tuple:
   """(source, tokenizer) to evaluate with: a checkpoint path becomes its MoEDecoder, and the
   tokenizer is `tokenizer` when given, else the source's own:
@@ -74,9 +90,10 @@ def _is_model(obj: Any) -> bool:
       not hasattr(obj, "submit")
 
 
-def _engine_for(model, *, context: int, engine_config, tokenizer=None):
+def _engine_for(model, *, context: int, engine_config, tokenizer=None, eos_token_ids=()):
   from rollout.engine import Engine, EngineConfig  # pylint: disable=g-import-not-at-top
   cfg = model.config
+  eos = tuple(int(t) for t in eos_token_ids if int(t) < cfg.vocab_size)
   if context > cfg.max_seq_len:
     raise ValueError(f"prompt + max_tokens needs {context} positions but the model's "
                      f"max_seq_len is {cfg.max_seq_len}")
@@ -84,10 +101,13 @@ def _engine_for(model, *, context: int, engine_config, tokenizer=None):
     bucket = 64
     engine_config = EngineConfig(max_slots=32, max_len=min(cfg.max_seq_len,
                                                            -(-context // bucket) * bucket),
-                                 deterministic=True, decode_steps=8, length_bucket=bucket)
+                                 deterministic=True, decode_steps=8, length_bucket=bucket,
+                                 eos_token_ids=eos)
   elif (engine_config.max_len or cfg.max_seq_len) < context:
     raise ValueError(f"EngineConfig.max_len {engine_config.max_len} is below the {context} "
                      "positions prompt + max_tokens need")
+  elif eos and not engine_config.eos_token_ids:
+    engine_config = dataclasses.replace(engine_config, eos_token_ids=eos)
   return Engine(model, config=engine_config, tokenizer=tokenizer)
 
 
@@ -101,8 +121,8 @@ class Sampler:
 
 
 @contextlib.contextmanager
-def open_sampler(source: Any, *, context: int, engine_config=None,
-                 tokenizer=None) -> Iterator[Sampler]:
+def open_sampler(source: Any, *, context: int, engine_config=None, tokenizer=None,
+                 eos_token_ids=()) -> Iterator[Sampler]:
   """Yields a Sampler for `source` (see module docstring); stops engines it created.
 
   Args:
@@ -112,6 +132,9 @@ def open_sampler(source: Any, *, context: int, engine_config=None,
       32 slots, max_len = context rounded up to 64).
     tokenizer: the tokenizer of a new engine (the evaluation's), so it can match stop strings;
       an Engine passed in keeps its own.
+    eos_token_ids: ids that end every completion of a new engine (`EngineConfig.eos_token_ids`,
+      unless `engine_config` sets its own; ids outside the vocabulary dropped): a checkpoint's
+      EOS list, as `rollout.loading` gives a served model. An Engine passed in keeps its own.
   """
   if isinstance(source, str):
     source = load_checkpoint(source)
@@ -121,7 +144,7 @@ def open_sampler(source: Any, *, context: int, engine_config=None,
     return
   if _is_model(source):
     engine = _engine_for(source, context=context, engine_config=engine_config,
-                         tokenizer=tokenizer)
+                         tokenizer=tokenizer, eos_token_ids=eos_token_ids)
     try:
       yield Sampler(engine.generate, engine, engine.config.max_slots, engine.config.max_queue,
                     stop_strings=engine.tokenizer is not None)

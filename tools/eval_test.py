@@ -7,14 +7,17 @@ selection, files written, exit codes.
 """
 
 import json
+import os
 import sys
 
 import pytest
 
+from envs.harness import chat_style
 from envs.tasks import suite_humaneval
 from evaluation import evaluate as evaluate_lib
 from moe import checkpoint
 from moe.hf import testutil
+from rollout import engine as engine_lib
 from rollout import testing as rollout_testing
 from tools import eval as eval_tool
 
@@ -74,6 +77,7 @@ def test_humaneval_with_a_tiny_random_model(tmp_path, capsys):
     (["--gin_file=moe/configs/tiny.gin", "--random_init=True", "--suite=humaneval"],
      "more than the model's max_seq_len of 512"),
     (["--frobnicate=2"], "unknown flag --frobnicate"),
+    (["--random_init=True", "--prompt_style=instruct"], "--prompt_style must be one of"),
 ])
 def test_bad_flags(argv, message, capsys):
   assert eval_tool.main(argv) == 2
@@ -109,6 +113,55 @@ def test_a_hugging_face_checkpoint_is_evaluated_with_its_own_tokenizer(tmp_path,
     (tmp_path / "qwen3" / name).unlink()
   assert eval_tool.main([f"--hf_checkpoint={ckpt}", "--limit=1", f"--out={out}"]) == 2
   assert "is not the byte tokenizer's" in capsys.readouterr().err
+
+
+def test_humaneval_with_chat_prompts_from_the_checkpoints_template(tmp_path, capsys, monkeypatch):
+  """--prompt_style=chat on a transformers-saved Qwen3-MoE chat checkpoint: the engine is sent,
+  for each HumanEval task, exactly transformers' apply_chat_template ids of the user message that
+  asks for the function (no stop strings), it stops at every EOS id of generation_config.json
+  (<|im_end|> ends a chat turn), and the random model's answers are graded by the real check
+  program. Without a chat template the flag is refused by name."""
+  import transformers  # pylint: disable=g-import-not-at-top
+  ckpt = testutil.save_with_tokenizer(tmp_path / "qwen3", seed=2, max_position_embeddings=1024)
+  ref = transformers.AutoTokenizer.from_pretrained(ckpt)
+  im_end, eot = ref.convert_tokens_to_ids("<|im_end|>"), ref.eos_token_id
+  gen_config = os.path.join(ckpt, "generation_config.json")
+  with open(gen_config, encoding="utf-8") as f:
+    cfg = json.load(f)
+  with open(gen_config, "w", encoding="utf-8") as f:  # as a chat checkpoint ships it
+    json.dump({**cfg, "eos_token_id": [im_end, eot]}, f)
+  sent = []
+  real = engine_lib.Engine.generate
+
+  def generate(self, prompt_token_ids, **kw):
+    sent.append((list(prompt_token_ids), kw, self.config.eos_token_ids))
+    return real(self, prompt_token_ids, **kw)
+
+  monkeypatch.setattr(engine_lib.Engine, "generate", generate)
+  out = str(tmp_path / "chat.jsonl")
+  args = [f"--hf_checkpoint={ckpt}", "--suite=humaneval", "--limit=2", "--prompt_style=chat",
+          "--n=2", "--k_list=(1, 2)", "--temperature=1.0", "--max_tokens=8", f"--out={out}",
+          "--pool_size=2"]
+  rc = eval_tool.main(args)
+  text = capsys.readouterr().out
+  assert rc == 0, text
+  assert "evaluating on 2 humaneval task(s), n=2, k=(1, 2), chat prompts" in text
+  tasks = suite_humaneval.generate()[:2]
+  want = [ref.apply_chat_template([{"role": "user", "content": chat_style.user_message(t)}],
+                                  tokenize=True, add_generation_prompt=True) for t in tasks]
+  want = [list(w["input_ids"]) if hasattr(w, "keys") else list(w) for w in want]
+  assert sorted(p for p, _, _ in sent) == sorted(want)
+  assert all("stop" not in kw and set(eos) == {im_end, eot} for _, kw, eos in sent)
+  rows = evaluate_lib.read_results(out)
+  assert [r["task_id"] for r in rows] == ["humaneval-0", "humaneval-1"]
+  for s in (s for r in rows for s in r["samples"]):
+    assert s["status"] == "ok" and s["test_outcomes"] == {suite_humaneval.TEST_ID: "failed"}
+  with open(evaluate_lib.summary_path(out), encoding="utf-8") as f:
+    assert json.load(f)["prompt_style"] == "chat"
+  os.unlink(os.path.join(ckpt, "chat_template.jinja"))
+  assert eval_tool.main(args) == 2
+  err = capsys.readouterr().err
+  assert "--prompt_style=chat needs the checkpoint's chat template" in err and ckpt in err
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import threading
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from envs import reward as reward_lib
 from envs.harness import agent_loop
@@ -39,6 +39,8 @@ class AttemptSettings:
   reward: grading settings (both modes).
   loop: the agent loop's settings (its temperature, top_p, seed and reward are set from these).
   grade_threads: single-turn samples graded at once.
+  single_turn_style: how a single-turn task is put to the model and its answer graded
+    (`single_turn.COMPLETION`, or a `chat_style.ChatStyle` for a chat model).
   """
   mode: str = "auto"
   max_tokens: int = 96
@@ -47,6 +49,7 @@ class AttemptSettings:
   reward: reward_lib.RewardConfig = reward_lib.RewardConfig()
   loop: agent_loop.LoopConfig = agent_loop.LoopConfig()
   grade_threads: int = 4
+  single_turn_style: Any = single_turn.COMPLETION
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -102,7 +105,7 @@ def run_attempts(task: task_format.Task, policy: policy_lib.Policy, *, pool: poo
         task, policy, pool=pool, n=n, max_tokens=settings.max_tokens,
         temperature=settings.temperature, top_p=settings.top_p, seed=seed,
         reward_config=settings.reward, grade_threads=min(settings.grade_threads, n),
-        grade_fn=grade_fn)
+        grade_fn=grade_fn, style=settings.single_turn_style)
   loop = dataclasses.replace(settings.loop, temperature=settings.temperature,
                              top_p=settings.top_p, reward=settings.reward)
 

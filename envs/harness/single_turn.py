@@ -5,6 +5,10 @@ task's instructions as a comment plus the function signature, the model continue
 and stops at EOS, a blank line or a new top-level statement (`STOP`; a task with its own
 `stop` strings, such as HumanEval's, stops at those instead), and the file `solution.py` =
 prompt + completion is graded in a fresh sandbox. `n` samples per prompt make a GRPO group.
+
+How the task is put to the model and how its answer becomes solution.py is a style: the
+default `COMPLETION` (above, for base models), or `envs.harness.chat_style.ChatStyle`, which asks
+a chat model in a user message rendered with its chat template and grades the code in its answer.
 """
 
 from __future__ import annotations
@@ -38,22 +42,44 @@ def solution_file(task: task_format.Task, completion_text: str) -> str:
   return task.prompt + body
 
 
+class CompletionStyle:
+  """Completion style: the model continues `task.prompt` (after `policy.start_ids()`), ends at
+  `stop_strings(task)`, and solution.py is `solution_file(task, completion)`.
+
+  A style is any object with these three methods (`chat_style.ChatStyle` is the other one).
+  """
+
+  def prompt_ids(self, task: task_format.Task, policy: policy_lib.Policy) -> list[int]:
+    return policy.start_ids() + policy.encode(task.prompt)
+
+  def stop(self, task: task_format.Task) -> tuple[str, ...]:
+    return stop_strings(task)
+
+  def solution(self, task: task_format.Task, completion_text: str) -> str:
+    return solution_file(task, completion_text)
+
+
+COMPLETION = CompletionStyle()
+
+
 def run_single_turn(task: task_format.Task, policy: policy_lib.Policy, *,
                     pool: pool_lib.WarmPool, n: int = 1, max_tokens: int = 96,
                     temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
                     reward_config: reward_lib.RewardConfig = reward_lib.RewardConfig(),
                     grade_threads: int = 4,
-                    grade_fn: Callable[..., reward_lib.Grade] = reward_lib.grade
-                    ) -> list[traj_lib.Trajectory]:
+                    grade_fn: Callable[..., reward_lib.Grade] = reward_lib.grade,
+                    style=COMPLETION) -> list[traj_lib.Trajectory]:
   """Samples `n` completions of `task.prompt` (one request) and grades each with `grade_fn`
   (envs.reward.grade's signature); one Trajectory per sample, its one segment holding exactly
-  the prompt sent (`policy.start_ids()` + the encoded prompt) and the tokens returned."""
+  the prompt sent (`style.prompt_ids`: by default `policy.start_ids()` + the encoded prompt) and
+  the tokens returned. `style` (see `CompletionStyle`) also gives the stop strings and
+  solution.py."""
   if not task.prompt:
     raise ValueError(f"task {task.task_id} has no single-turn prompt")
   t0 = time.monotonic()
-  prompt_ids = policy.start_ids() + policy.encode(task.prompt)
+  prompt_ids = style.prompt_ids(task, policy)
   try:
-    comps = policy.complete(prompt_ids, max_tokens=max_tokens, stop=stop_strings(task),
+    comps = policy.complete(prompt_ids, max_tokens=max_tokens, stop=style.stop(task),
                             temperature=temperature, seed=seed, n=n, top_p=top_p)
   except policy_lib.PolicyError as e:
     seg = traj_lib.Segment()
@@ -68,7 +94,7 @@ def run_single_turn(task: task_format.Task, policy: policy_lib.Policy, *,
   def grade_one(comp: policy_lib.Completion) -> traj_lib.Trajectory:
     t = time.monotonic()
     files = dict(task.files)
-    files["solution.py"] = solution_file(task, comp.text)
+    files["solution.py"] = style.solution(task, comp.text)
     g = grade_fn(task, files, pool=pool, config=reward_config)
     seg = traj_lib.Segment()
     seg.add_text_tokens(prompt_ids)
