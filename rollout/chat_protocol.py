@@ -6,9 +6,23 @@ renders them with the checkpoint's chat template (`tokenizer.chat_template`, see
 `moe.chat_template`: the text transformers' `apply_chat_template(..., add_generation_prompt=True)`
 gives) and encodes that text with the checkpoint's tokenizer -- the prompt ids a chat model was
 trained on -- and parses the sampling fields as completions do (`protocol.parse_sampling`).
-`ChatFormat` shapes choices, stream chunks (`delta`s) and logprobs the way OpenAI's chat API does,
-with the sampler's extra fields of completions (`token_ids`, `prompt_token_ids`, `routing`,
+`ChatFormat` shapes choices, stream chunks (`delta`s) and logprobs (streamed too, each token's
+`top_logprobs` alternatives included when asked for) the way OpenAI's chat API does, with the
+sampler's extra fields of completions (`token_ids`, `prompt_token_ids`, `routing`,
 `policy_version`, `policy_versions`, `prompt_routing`).
+
+Tools: `tools` (OpenAI's `{"type": "function", "function": {"name", "description",
+"parameters", "strict"}}` entries) are given to the chat template as transformers'
+`apply_chat_template(tools=...)` gives them, and a conversation's earlier tool use renders through
+the template too: an assistant message's `tool_calls` (each call's `arguments`, a JSON string in
+OpenAI's API, parsed into the object transformers' templates expect, as vLLM does) and `tool`
+messages (with `tool_call_id`). What a template without tool support does with them is the
+template's affair (most ignore `tools`). The answer is not parsed into `tool_calls`: a call the
+model writes stays in the message `content` as the model wrote it (Qwen3's `<tool_call>` block),
+with finish_reason "stop", for the client to parse. So `tool_choice` may only be "auto" (the
+default) or "none" (the tools are still rendered, as vLLM does; the model is not constrained
+either way); "required" or a named function, which need constrained decoding or parsing, are
+refused with a 400, and so are the deprecated `functions` / `function_call` (send `tools`).
 
 Why a module of its own: the chat fields (messages, `max_completion_tokens`, boolean `logprobs`
 with `top_logprobs`) and answer shapes differ from completions, while everything after the
@@ -18,7 +32,8 @@ prompt ids -- queueing, sampling, streaming, timeouts -- is the completions path
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from typing import Any, Optional
 
 from moe import chat_template
 from rollout import protocol
@@ -32,7 +47,12 @@ _MESSAGE_STRINGS = ("name", "tool_call_id", "reasoning_content")
 
 _OPENAI_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature",
                   "top_p", "n", "stream", "stream_options", "logprobs", "top_logprobs", "stop",
-                  "seed", "user", "presence_penalty", "frequency_penalty", "logit_bias"}
+                  "seed", "user", "presence_penalty", "frequency_penalty", "logit_bias", "tools",
+                  "tool_choice"}
+# OpenAI's deprecated function-calling fields, and what replaced them.
+_DEPRECATED = {"functions": "'tools'", "function_call": "'tool_choice'"}
+TOOL_CHOICES = ("auto", "none")
+_FUNCTION_FIELDS = ("name", "description", "parameters", "strict")
 _EXTRA_FIELDS = {"top_k", "stop_token_ids", "ignore_eos", "timeout", "return_routing",
                  "return_prompt_routing"}
 _MAX_ERROR = 300
@@ -68,6 +88,101 @@ def _content(value: Any, where: str, role: str):
                             f"{protocol.show(value)}")
 
 
+def _object(value: Any, where: str, what: str) -> dict:
+  if not isinstance(value, dict):
+    raise protocol.BadRequest(f"{where} must be {what}, got {protocol.show(value)}")
+  return value
+
+
+def _fields(value: dict, allowed, where: str) -> None:
+  unknown = sorted(set(value) - set(allowed), key=str)
+  if unknown:
+    raise protocol.BadRequest(f"{where} has unknown field(s) {protocol.show(unknown)}; "
+                              f"accepted: {list(allowed)}")
+
+
+def _refuse_deprecated(body: Any) -> None:
+  """OpenAI's deprecated 'functions' / 'function_call' get a 400 that says what replaced them."""
+  for name, instead in _DEPRECATED.items():
+    if isinstance(body, dict) and name in body:
+      raise protocol.BadRequest(f"'{name}' is OpenAI's deprecated form of {instead}; send "
+                                f"{instead} instead")
+
+
+def parse_tools(body: dict) -> Optional[list]:
+  """'tools' -> the list of tool schemas the template renders (None when absent), after checking
+  'tool_choice' (module docstring)."""
+  choice = body.get("tool_choice")
+  if choice is not None and choice not in TOOL_CHOICES:
+    raise protocol.BadRequest(
+        f"'tool_choice' must be one of {list(TOOL_CHOICES)}, got {protocol.show(choice)}: this "
+        "server neither forces tool calls nor parses them (a call the model writes is in the "
+        "message content)")
+  tools = body.get("tools")
+  if tools is None:
+    return None
+  if not isinstance(tools, list):
+    raise protocol.BadRequest(f"'tools' must be a list of tools, got {protocol.show(tools)}")
+  for i, tool in enumerate(tools):
+    where = f"'tools'[{i}]"
+    _object(tool, where, "an object {'type': 'function', 'function': {...}}")
+    _fields(tool, ("type", "function"), where)
+    if tool.get("type") != "function":
+      raise protocol.BadRequest(f"{where}.type must be 'function', got "
+                                f"{protocol.show(tool.get('type'))}")
+    fn = _object(tool.get("function"), f"{where}.function",
+                 "an object with 'name' (and 'description', 'parameters', 'strict')")
+    _fields(fn, _FUNCTION_FIELDS, f"{where}.function")
+    for name, kind, ok in (("name", "a string", str), ("description", "a string", str),
+                           ("parameters", "an object (a JSON schema)", dict),
+                           ("strict", "true or false", bool)):
+      if (name in fn or name == "name") and not isinstance(fn.get(name), ok):
+        raise protocol.BadRequest(f"{where}.function.{name} must be {kind}, got "
+                                  f"{protocol.show(fn.get(name))}")
+    _text(json.dumps(tool, ensure_ascii=False), where)
+  return tools
+
+
+def _tool_calls(value: Any, where: str) -> list:
+  """An assistant message's 'tool_calls' as the template renders them: each call's 'arguments'
+  (OpenAI's JSON string, or an object) as an object."""
+  if not isinstance(value, list):
+    raise protocol.BadRequest(f"{where} must be a list of tool calls, got {protocol.show(value)}")
+  out = []
+  for j, call in enumerate(value):
+    w = f"{where}[{j}]"
+    _object(call, w, "an object {'id': ..., 'type': 'function', 'function': {'name': ..., "
+            "'arguments': ...}}")
+    _fields(call, ("id", "type", "function"), w)
+    if call.get("type", "function") != "function":
+      raise protocol.BadRequest(f"{w}.type must be 'function', got "
+                                f"{protocol.show(call.get('type'))}")
+    fn = _object(call.get("function"), f"{w}.function", "an object with 'name' and 'arguments'")
+    _fields(fn, ("name", "arguments"), f"{w}.function")
+    if not isinstance(fn.get("name"), str):
+      raise protocol.BadRequest(f"{w}.function.name must be a string, got "
+                                f"{protocol.show(fn.get('name'))}")
+    args = fn.get("arguments")
+    if isinstance(args, str):
+      try:
+        args = json.loads(args)
+      except ValueError:
+        raise protocol.BadRequest(f"{w}.function.arguments is not JSON: "
+                                  f"{protocol.show(fn['arguments'])}") from None
+    if not isinstance(args, dict):
+      raise protocol.BadRequest(f"{w}.function.arguments must be a JSON object (or a string "
+                                f"holding one), got {protocol.show(fn.get('arguments'))}")
+    if "id" in call and not isinstance(call["id"], str):
+      raise protocol.BadRequest(f"{w}.id must be a string, got {protocol.show(call['id'])}")
+    rendered = {"type": "function", "function": {"name": _text(fn["name"], f"{w}.function.name"),
+                                                 "arguments": args}}
+    if "id" in call:
+      rendered = {"id": _text(call["id"], f"{w}.id"), **rendered}
+    _text(json.dumps(args, ensure_ascii=False), f"{w}.function.arguments")
+    out.append(rendered)
+  return out
+
+
 def parse_messages(messages: Any) -> list:
   """'messages' -> the list of message dicts the template renders (BadRequest naming the
   message and field otherwise)."""
@@ -79,14 +194,14 @@ def parse_messages(messages: Any) -> list:
     if not isinstance(m, dict):
       raise protocol.BadRequest(f"{where} must be an object with 'role' and 'content', got "
                                 f"{protocol.show(m)}")
-    unknown = sorted(set(m) - {"role", "content", *_MESSAGE_STRINGS}, key=str)
-    if unknown:
-      raise protocol.BadRequest(f"{where} has unknown field(s) {protocol.show(unknown)}; "
-                                f"accepted: {['role', 'content', *_MESSAGE_STRINGS]}")
+    _fields(m, ("role", "content", *_MESSAGE_STRINGS, "tool_calls"), where)
     role = m.get("role")
     if role not in ROLES:
       raise protocol.BadRequest(f"{where}.role must be one of {list(ROLES)}, got "
                                 f"{protocol.show(role)}")
+    if m.get("tool_calls") is not None and role != "assistant":
+      raise protocol.BadRequest(f"{where}.tool_calls: only an assistant message makes tool "
+                                f"calls, this one is a {role} message")
     if "content" not in m and role != "assistant":
       raise protocol.BadRequest(f"{where}.content is required")
     msg = {"role": role}
@@ -100,13 +215,17 @@ def parse_messages(messages: Any) -> list:
       if not isinstance(v, str):
         raise protocol.BadRequest(f"{where}.{name} must be a string, got {protocol.show(v)}")
       msg[name] = _text(v, f"{where}.{name}")
+    if m.get("tool_calls") is not None:
+      msg["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
     out.append(msg)
   return out
 
 
-def render_prompt(messages: list, tokenizer, vocab_size: int) -> list:
-  """The prompt ids of `messages`: the chat template's text (with the generation prompt) encoded
-  by the tokenizer, as transformers' `apply_chat_template(..., tokenize=True)` encodes it."""
+def render_prompt(messages: list, tokenizer, vocab_size: int,
+                  tools: Optional[list] = None) -> list:
+  """The prompt ids of `messages` (and `tools`): the chat template's text (with the generation
+  prompt) encoded by the tokenizer, as transformers' `apply_chat_template(..., tools=tools,
+  tokenize=True)` encodes it."""
   template = getattr(tokenizer, "chat_template", None)
   if template is None:
     what = "no tokenizer" if tokenizer is None else "no chat template"
@@ -114,7 +233,7 @@ def render_prompt(messages: list, tokenizer, vocab_size: int) -> list:
         f"this model has {what} (its checkpoint has no chat_template.jinja or tokenizer_config "
         "'chat_template'), so it cannot take chat messages; send a prompt to /v1/completions")
   try:
-    text = template.render(messages, add_generation_prompt=True)
+    text = template.render(messages, add_generation_prompt=True, tools=tools)
   except chat_template.ChatTemplateError as e:
     msg = str(e)
     raise protocol.BadRequest("'messages': " + (msg if len(msg) <= _MAX_ERROR else
@@ -142,6 +261,7 @@ def parse_chat_request(body: Any, tokenizer, vocab_size: int, max_tokens_limit: 
   Raises:
     protocol.BadRequest: with a message naming the field.
   """
+  _refuse_deprecated(body)
   protocol.check_fields(body, _OPENAI_FIELDS | _EXTRA_FIELDS)
   if "messages" not in body:
     raise protocol.BadRequest("'messages' is required")
@@ -166,8 +286,9 @@ def parse_chat_request(body: Any, tokenizer, vocab_size: int, max_tokens_limit: 
                                 f"got {protocol.show(top)}")
     if not logprobs:
       raise protocol.BadRequest("'top_logprobs' needs 'logprobs': true")
+  tools = parse_tools(body)
   messages = parse_messages(body["messages"])
-  prompt = render_prompt(messages, tokenizer, vocab_size)
+  prompt = render_prompt(messages, tokenizer, vocab_size, tools)
   if max_tokens is None:
     max_tokens = limit + 1 - len(prompt)
     if max_tokens < 1:
@@ -237,10 +358,12 @@ class ChatFormat:
     return delta, extra
 
   def token_chunk(self, index: int, text: str, token_ids: list, logprobs: list, tokenizer,
-                  req: dict, first: bool) -> dict:
+                  req: dict, first: bool, top=None) -> dict:
+    """A chunk of new tokens; `top`: their alternatives (None: not asked for)."""
     delta, extra = self._delta(text, first, req)
     return {"index": index, "delta": delta,
-            "logprobs": logprobs_json(tokenizer, token_ids, logprobs) if req["logprobs"] else None,
+            "logprobs": (logprobs_json(tokenizer, token_ids, logprobs, top)
+                         if req["logprobs"] else None),
             "finish_reason": None, "token_ids": token_ids, **extra}
 
   def final_chunk(self, index: int, text: str, finish_reason: str, completion, req: dict,

@@ -1,7 +1,8 @@
 """`POST /v1/chat/completions` against a live server on a checkpoint saved by transformers (a tiny
 Qwen3-MoE with a BPE tokenizer and a Qwen3-style chat template), through the official openai
 client: the prompt ids the server used are transformers' `apply_chat_template` ids, the answer's
-fields (content, logprobs, usage, the sampler's extras), streaming (deltas that add up to the
+fields (content, logprobs, usage, the sampler's extras), tools and earlier tool calls rendered
+through the template, streaming (deltas and logprobs with their alternatives that add up to the
 plain answer, usage, chunks sent while the request still runs) and the 400s.
 """
 
@@ -25,7 +26,8 @@ from rollout import testing
 from rollout.engine import EngineConfig
 from testlib import waiting
 
-MAX_LEN = 128
+# Room for a conversation with tools (this tiny tokenizer writes ~1.4 characters per token).
+MAX_LEN = 512
 
 CHAT = [{"role": "system", "content": "You write Python."},
         {"role": "user", "content": "def add(a, b):"},
@@ -36,7 +38,8 @@ CHAT = [{"role": "system", "content": "You write Python."},
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
   """The checkpoint's directory and transformers' tokenizer of it (the reference)."""
-  d = testutil.save_with_tokenizer(tmp_path_factory.mktemp("qwen3_chat"), seed=1)
+  d = testutil.save_with_tokenizer(tmp_path_factory.mktemp("qwen3_chat"), seed=1,
+                                   max_position_embeddings=MAX_LEN)
   return d, transformers.AutoTokenizer.from_pretrained(d)
 
 
@@ -148,7 +151,7 @@ def test_without_max_tokens_a_completion_may_fill_the_context(client, ckpt):
 def test_streaming_adds_up_to_the_plain_answer(client, ckpt):
   _, ref = ckpt
   kw = dict(model="qwen3_chat", messages=CHAT, max_tokens=24, n=2, seed=3, temperature=1.0,
-            logprobs=True, extra_body={"ignore_eos": True})
+            logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
   plain = client.chat.completions.create(**kw)
   chunks = list(client.chat.completions.create(stream=True,
                                                stream_options={"include_usage": True}, **kw))
@@ -164,12 +167,63 @@ def test_streaming_adds_up_to_the_plain_answer(client, ckpt):
     assert "".join(c.delta.content or "" for c in mine) == choice.message.content
     toks = [t for c in mine for t in c.model_extra["token_ids"]]
     assert toks == choice.model_extra["token_ids"]
-    lps = [e.logprob for c in mine if c.logprobs for e in c.logprobs.content]
-    np.testing.assert_allclose(lps, [e.logprob for e in choice.logprobs.content],
+    entries = [e for c in mine if c.logprobs for e in c.logprobs.content]
+    expected = choice.logprobs.content
+    assert [e.model_extra["token_id"] for e in entries] == toks
+    np.testing.assert_allclose([e.logprob for e in entries], [e.logprob for e in expected],
+                               atol=testing.ATOL)
+    # Each streamed token carries its three alternatives, as the plain answer's does.
+    assert all(len(e.top_logprobs) == 3 for e in entries)
+    assert [[a.token for a in e.top_logprobs] for e in entries] == \
+        [[a.token for a in e.top_logprobs] for e in expected]
+    assert [[a.model_extra["token_id"] for a in e.top_logprobs] for e in entries] == \
+        [[a.model_extra["token_id"] for a in e.top_logprobs] for e in expected]
+    np.testing.assert_allclose([[a.logprob for a in e.top_logprobs] for e in entries],
+                               [[a.logprob for a in e.top_logprobs] for e in expected],
                                atol=testing.ATOL)
     assert [c.finish_reason for c in mine] == [None] * (len(mine) - 1) + ["length"]
     assert mine[-1].model_extra["policy_versions"] == choice.model_extra["policy_versions"]
     assert mine[-1].model_extra["routing"] == choice.model_extra["routing"]
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "run", "description": "Runs a file.",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]
+# A conversation with earlier tool use: the assistant called the tool (arguments as OpenAI sends
+# them, a JSON string) and the tool answered.
+TOOL_CHAT = [{"role": "system", "content": "You fix bugs."},
+             {"role": "user", "content": "fix a.py"},
+             {"role": "assistant", "content": None, "tool_calls": [
+                 {"id": "c1", "type": "function",
+                  "function": {"name": "run", "arguments": '{"path": "a.py"}'}}]},
+             {"role": "tool", "tool_call_id": "c1", "content": "1 failed"}]
+
+
+@pytest.mark.parametrize("tool_choice", [None, "auto", "none"])
+def test_tools_and_tool_calls_go_through_the_template(client, ckpt, tool_choice):
+  """`tools` reach the template as transformers' apply_chat_template(tools=...) passes them, and
+  an earlier assistant turn's `tool_calls` and the `tool` answer render through it (arguments
+  parsed into the object transformers' templates take): the prompt ids are transformers'. The
+  answer is plain content (tool calls are not parsed out of it)."""
+  _, ref = ckpt
+  extra = {"tool_choice": tool_choice} if tool_choice else {}
+  r = client.chat.completions.create(model="m", messages=TOOL_CHAT, tools=TOOLS, max_tokens=4,
+                                     temperature=0, extra_body={"ignore_eos": True}, **extra)
+  expected = [dict(m) for m in TOOL_CHAT]
+  expected[2] = {"role": "assistant", "tool_calls": [
+      {"id": "c1", "type": "function", "function": {"name": "run", "arguments": {"path": "a.py"}}}]}
+  want = ref.apply_chat_template(expected, tools=TOOLS, tokenize=True, add_generation_prompt=True)
+  want = list(want["input_ids"]) if hasattr(want, "keys") else list(want)
+  ch = r.choices[0]
+  assert ch.model_extra["prompt_token_ids"] == want
+  text = ref.decode(want)
+  assert '"description": "Runs a file."' in text and "<tool_response>\n1 failed" in text
+  assert '<tool_call>\n{"name": "run", "arguments": {"path": "a.py"}}' in text
+  assert ch.message.tool_calls is None and isinstance(ch.message.content, str)
+  # Without the tools, the same conversation renders without their listing.
+  plain = client.chat.completions.create(model="m", messages=TOOL_CHAT, max_tokens=1)
+  assert plain.choices[0].model_extra["prompt_token_ids"] == _template_ids(ref, expected)
+  assert plain.choices[0].model_extra["prompt_token_ids"] != want
 
 
 def test_chunks_are_sent_while_the_request_runs(client, live, monkeypatch):
@@ -223,10 +277,51 @@ def test_a_request_the_template_refuses_is_400_with_its_reason(client, live):
     ({"messages": [{"role": "user", "content": 3}]}, r"'messages'\[0\].content must be"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
      r"'messages'\[0\].content\[0\] must be a text part"),
-    ({"messages": [{"role": "user", "content": "hi", "tool_calls": []}]},
+    ({"messages": [{"role": "user", "content": "hi", "function_call": {}}]},
      r"'messages'\[0\] has unknown field"),
+    ({"messages": [{"role": "user", "content": "hi", "tool_calls": []}]},
+     r"'messages'\[0\].tool_calls: only an assistant message"),
+    ({"messages": [{"role": "assistant", "tool_calls": {"id": "x"}}]},
+     r"'messages'\[0\].tool_calls must be a list"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f"},
+                                                         "index": 0}]}]},
+     r"'messages'\[0\].tool_calls\[0\] has unknown field.*'index'"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"type": "custom", "function": {}}]}]},
+     r"'messages'\[0\].tool_calls\[0\].type must be 'function'"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]},
+     r"'messages'\[0\].tool_calls\[0\].function.name must be a string"),
+    ({"messages": [{"role": "assistant", "tool_calls": [
+        {"function": {"name": "f", "arguments": "{'a': 1}"}}]}]},
+     r"'messages'\[0\].tool_calls\[0\].function.arguments is not JSON"),
+    ({"messages": [{"role": "assistant", "tool_calls": [
+        {"function": {"name": "f", "arguments": "[1]"}}]}]},
+     r"'messages'\[0\].tool_calls\[0\].function.arguments must be a JSON object"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": 3, "function": {
+        "name": "f", "arguments": {}}}]}]}, r"'messages'\[0\].tool_calls\[0\].id must be"),
     ({"messages": [{"role": "user", "content": "\ud800"}]}, "not valid Unicode"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": []}, "unknown field.*'tools'"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": {"type": "function"}},
+     "'tools' must be a list"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "code_interpreter"}]},
+     r"'tools'\[0\].type must be 'function'"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+     r"'tools'\[0\].function must be an object"),
+    ({"messages": [{"role": "user", "content": "hi"}],
+      "tools": [{"type": "function", "function": {"description": "no name"}}]},
+     r"'tools'\[0\].function.name must be a string"),
+    ({"messages": [{"role": "user", "content": "hi"}],
+      "tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
+     r"'tools'\[0\].function.parameters must be an object"),
+    ({"messages": [{"role": "user", "content": "hi"}],
+      "tools": [{"type": "function", "function": {"name": "f", "returns": {}}}]},
+     r"'tools'\[0\].function has unknown field.*'returns'"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"},
+     "'tool_choice' must be one of \\['auto', 'none'\\].*neither forces"),
+    ({"messages": [{"role": "user", "content": "hi"}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}}}, "'tool_choice' must be"),
+    ({"messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]},
+     "'functions' is OpenAI's deprecated form of 'tools'"),
+    ({"messages": [{"role": "user", "content": "hi"}], "function_call": "auto"},
+     "'function_call' is OpenAI's deprecated form of 'tool_choice'"),
     ({"messages": [{"role": "user", "content": "hi"}], "prompt": "x"}, "unknown field.*'prompt'"),
     ({"messages": [{"role": "user", "content": "hi"}], "logprobs": 2}, "'logprobs' must be true"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
@@ -240,7 +335,7 @@ def test_a_request_the_template_refuses_is_400_with_its_reason(client, live):
       "max_completion_tokens": 4}, "'max_tokens' and 'max_completion_tokens' differ"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": MAX_LEN - 5},
      "exceeds the context length"),
-    ({"messages": [{"role": "user", "content": "print('hello world') " * 40}]},
+    ({"messages": [{"role": "user", "content": "print('hello world') " * (MAX_LEN // 3)}]},
      "'messages' fill the context"),
     ({"messages": [{"role": "user", "content": "hi"}], "n": 0}, "'n' must be >= 1"),
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature"),

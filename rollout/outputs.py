@@ -104,6 +104,20 @@ def flush_stream(h: RequestHandle) -> None:
       s._ended = s.finish_reason is not None
 
 
+def streamed_top_logprobs(h: RequestHandle, index: int, start: int, stop: int) -> Optional[list]:
+  """The alternatives ({token id: logprob} per token) of tokens start..stop-1 of completion
+  `index`, for a consumer that has been passed those tokens by `on_tokens`; None when the
+  request did not ask for alternatives (`SamplingParams.logprobs`).
+
+  Safe to call from any thread (the server's event loop does, per streamed chunk): the engine
+  thread only appends to a completion after the tokens it has streamed, and a stop string never
+  takes back a streamed token (`find_stop`), so those entries no longer change.
+  """
+  if not h.params.logprobs:
+    return None
+  return list(h.samples[index].top[start:stop])
+
+
 def completions(h: RequestHandle, cfg: ModelConfig, tokenizer: Optional[object]) -> list:
   """The request's `Completion`s (a completion that has not ended is marked "cancelled")."""
   out = []

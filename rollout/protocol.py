@@ -346,10 +346,12 @@ class CompletionsFormat:
                        prompt_token_ids=prompt_token_ids)
 
   def token_chunk(self, index: int, text: str, token_ids: list, logprobs: list, tokenizer,
-                  req: dict, first: bool) -> dict:
+                  req: dict, first: bool, top=None) -> dict:
+    """A chunk of new tokens; `top`: their alternatives (None: not asked for)."""
     del req, first  # the same for every chunk
     return {"index": index, "text": text, "token_ids": token_ids,
-            "logprobs": logprobs_json(tokenizer, token_ids, logprobs), "finish_reason": None}
+            "logprobs": logprobs_json(tokenizer, token_ids, logprobs, top),
+            "finish_reason": None}
 
   def final_chunk(self, index: int, text: str, finish_reason: str, completion, req: dict,
                   first: bool) -> dict:

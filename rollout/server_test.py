@@ -93,17 +93,28 @@ def test_openai_client_completions(client, live):
 
 
 def test_streaming_matches_plain(client):
-  plain = client.completions.create(model="tiny", prompt="Hi there", max_tokens=9, temperature=0)
-  toks, text, reasons = [], "", []
-  for chunk in client.completions.create(model="tiny", prompt="Hi there", max_tokens=9,
-                                         temperature=0, stream=True):
+  """The streamed chunks add up to the plain answer: ids, text, logprobs and (`logprobs: 2`)
+  each token's two alternatives."""
+  kw = dict(model="tiny", prompt="Hi there", max_tokens=9, temperature=0, logprobs=2)
+  plain = client.completions.create(**kw).choices[0]
+  toks, text, reasons, lps, top_ids = [], "", [], [], []
+  for chunk in client.completions.create(stream=True, **kw):
     c = chunk.choices[0]
     toks += c.model_extra.get("token_ids") or []
     text += c.text
     reasons.append(c.finish_reason)
-  assert toks == plain.choices[0].model_extra["token_ids"]
-  assert text == plain.choices[0].text
+    if c.logprobs is not None:
+      lps += c.logprobs.token_logprobs
+      top_ids += c.logprobs.model_extra["top_logprob_ids"]
+  assert toks == plain.model_extra["token_ids"]
+  assert text == plain.text
   assert reasons[-1] == "length" and all(r is None for r in reasons[:-1])
+  np.testing.assert_allclose(lps, plain.logprobs.token_logprobs, atol=testing.ATOL)
+  want = plain.logprobs.model_extra["top_logprob_ids"]
+  assert [[i for i, _ in t] for t in top_ids] == [[i for i, _ in t] for t in want]
+  assert all(len(t) == 2 for t in top_ids) and len(top_ids) == 9
+  np.testing.assert_allclose([[v for _, v in t] for t in top_ids],
+                             [[v for _, v in t] for t in want], atol=testing.ATOL)
 
 
 def test_streamed_usage_when_asked(client):

@@ -1,7 +1,8 @@
 """Server-sent-event streaming of `/v1/completions` and `/v1/chat/completions` (`stream: true`).
 
 What: `stream(request, ...)` writes one `data:` event per engine chunk (new token ids, their
-logprobs and the text they settle), then one final event per choice (the rest of its text, finish
+logprobs -- with their alternatives when the request asked for `top_logprobs` / `logprobs: k` --
+and the text they settle), then one final event per choice (the rest of its text, finish
 reason, policy versions, routing), then, when asked, one with the `usage`, then `data: [DONE]`.
 The endpoint's format (`protocol.CompletionsFormat`, `chat_protocol.ChatFormat`) shapes each
 choice's events; what is sent when is the same for both. The engine thread feeds `events` through
@@ -29,6 +30,7 @@ from typing import Optional
 from aiohttp import web
 
 from rollout import detokenize
+from rollout import outputs
 from rollout import protocol
 
 log = logging.getLogger(__name__)
@@ -81,9 +83,11 @@ async def stream(request, tokenizer, req: dict, handles: list, events: asyncio.Q
         texts[idx] = detokenize.IncrementalText(tokenizer, req["params"].stop)
       text = texts[idx].push(toks)
     if toks:
-      streamed[idx] = streamed.get(idx, 0) + len(toks)
+      start = streamed.get(idx, 0)
+      streamed[idx] = start + len(toks)
+      top = outputs.streamed_top_logprobs(handles[order[hid]], i, start, start + len(toks))
       await send_choice(idx, fmt.token_chunk(idx, text, toks, lps, tokenizer, req,
-                                             idx not in started))
+                                             idx not in started, top=top))
     if reason is not None:
       ended.add(idx)
   futures = [asyncio.wrap_future(h.future) for h in handles]
