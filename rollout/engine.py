@@ -16,6 +16,8 @@ What:
     `on_tokens` callback for streaming) and `engine.submit_batch` for the RL controller.
   * `engine.swap_weights(flat, version)` / `swap_delta(blob, version)` replace the weights while
     serving; in-flight requests continue with their KV caches and record the version per token.
+  * `engine.warm_up(progress)` compiles every device program a request can reach
+    (`rollout.warmup`), so that no request waits for a compilation.
 
 Design (see rollout/README.md for the measurements behind it):
   * Slot KV cache, not paged (`rollout.kv_cache`): allocated once, max_slots rows. A request's n
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -55,6 +58,7 @@ from rollout import prefix_reuse
 from rollout import request_checks
 from rollout import scheduler
 from rollout import slot_tables
+from rollout import warmup
 from rollout import weight_checks
 from rollout.engine_types import (Completion, EngineConfig, EngineStopped, PreparedWeights,
                                   QueueFull, RequestHandle, Sample)
@@ -344,6 +348,27 @@ class Engine:
       packing is "prepare_s").
     """
     return self._delta_swapper.swap(blob, version)
+
+  def warm_up(self, progress: Optional[Callable[[int, int, str], None]] = None, *,
+              threads: int = 1, stop: Optional[threading.Event] = None) -> dict:
+    """Compiles every device program a request can make this engine run (`rollout.warmup`),
+    so that no request waits for a compilation.
+
+    Args:
+      progress: `progress(done, total, what)`, first with done 0, then after each program.
+      threads: programs compiled at once.
+      stop: set to end early, once the compilations under way finish.
+
+    Safe beside serving: it compiles from shapes alone, so the KV cache, the prefix cache, the
+    random streams and the counters stay as they were. Returns `warmup.compile_all`'s counts.
+    """
+    progs = warmup.programs(self.config, self.max_len, self._sched, self._prefix)
+    pr = self._prefix
+    args = warmup.Arguments.of(self._params, self._ck, self._cv, self._slots,
+                               pr.store_k if pr else None, pr.store_v if pr else None)
+    compile_one = functools.partial(warmup.compile_program, cfg=self.model_config,
+                                    config=self.config, args=args)
+    return warmup.compile_all(progs, compile_one, progress, threads, stop)
 
   def current_flat(self) -> dict:
     """The flat weights being served (numpy; do not modify)."""

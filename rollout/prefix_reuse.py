@@ -38,6 +38,15 @@ from rollout.engine_types import EngineConfig, RequestHandle, Sample
 
 log = logging.getLogger(__name__)
 
+# Block copies into the store are padded to a power of two from this many per call, so that few
+# copy programs compile (`copy_batch`).
+MIN_COPY_BATCH = 8
+
+
+def copy_batch(pending: int) -> int:
+  """Entries of the copy call for `pending` queued block copies (padding is dropped)."""
+  return scheduler_lib.pow2_at_least(pending, MIN_COPY_BATCH)
+
 
 class PrefixReuse:
   """The prefix cache of one engine (see the module docstring)."""
@@ -112,7 +121,7 @@ class PrefixReuse:
     if not self.index.has_pending():
       return
     pending = self.index.take_pending()
-    m = scheduler_lib.pow2_at_least(len(pending), 8)
+    m = copy_batch(len(pending))
     n = self.blocks
     slot = np.zeros(m, np.int32)
     bidx = np.zeros(m, np.int32)

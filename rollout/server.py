@@ -17,6 +17,12 @@ request may carry a `timeout` (default --request_timeout) after which it is ende
 504; a client that disconnects cancels its request (aiohttp handler cancellation), freeing its
 slots. Every accepted request gets exactly one answer. Bad input is a 400 naming the field.
 
+Warm-up (`warmup=True`, what //tools:serve does unless told `--no_warmup`): once listening,
+the server compiles every device program a request can reach (`Engine.warm_up`) in a thread of
+its own, logging a progress line per program; until that is done `/health` answers 503
+("warming_up", with the count), so a load balancer or a waiting client holds off. Requests sent
+meanwhile are served, each compiling what it needs.
+
 Threading: the engine runs its own thread; handlers submit and await `concurrent.futures`
 through asyncio, and streaming receives per-chunk callbacks via `call_soon_threadsafe`.
 """
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 import uuid
 from typing import Callable, Optional, Sequence
@@ -59,7 +66,8 @@ class Server:
                load_flat: Optional[Callable[[str], dict]] = None,
                health_checks: Sequence[Callable[[], Optional[str]]] = (),
                admin_token_file: Optional[str] = None, checkpoint_root: Optional[str] = None,
-               max_delta_bytes: Optional[int] = None, admin_allowed_hosts: Sequence[str] = ()):
+               max_delta_bytes: Optional[int] = None, admin_allowed_hosts: Sequence[str] = (),
+               warmup: bool = False, warmup_threads: int = 1):
     """Args:
       engine: a started Engine (its tokenizer encodes text prompts and decodes completions).
       model_name: reported by /v1/models and in responses.
@@ -76,6 +84,9 @@ class Server:
       checkpoint_root: the only directory `/admin/swap` reads checkpoints under (None: off).
       max_delta_bytes: body limit of `/admin/swap_delta` (default: from the weights' size).
       admin_allowed_hosts: extra names accepted in the admin requests' Host/Origin headers.
+      warmup: compile the engine's programs once listening (`start`); `/health` answers 503
+        until that is done, or names its error if it failed.
+      warmup_threads: programs compiled at once.
     """
     self.engine = engine
     self.tokenizer = engine.tokenizer
@@ -88,6 +99,12 @@ class Server:
                                  max_delta_bytes=max_delta_bytes,
                                  allowed_hosts=admin_allowed_hosts)
     self._runners: list = []
+    self.warmup_threads = warmup_threads
+    # While set, /health is not ready: {"done", "total", "error"} of the warm-up under way.
+    self.warmup_state: Optional[dict] = ({"done": 0, "total": None, "error": None} if warmup
+                                         else None)
+    self.warmup_result: Optional[asyncio.Future] = None  # its counts (Engine.warm_up)
+    self._warmup_stop = threading.Event()
     self.http_stats = {"http_400_total": 0, "http_429_total": 0, "http_504_total": 0,
                        "client_disconnects_total": 0}
 
@@ -110,6 +127,8 @@ class Server:
 
     The admin app (unless `admin_port` is None) listens on `admin_host`, loopback unless told
     otherwise, whatever `host` the public app is on; its token file is written before it listens.
+    With `warmup`, the warm-up starts once both listen; `warmup_result` then resolves to its
+    counts (or its error).
     """
     ports = []
     for is_admin, h, p in ((False, host, port), (True, admin_host, admin_port)):
@@ -127,9 +146,59 @@ class Server:
       ports.append(site._server.sockets[0].getsockname()[1])
       if is_admin:
         self.admin.bind(h, ports[-1])
+    if self.warmup_state is not None and self.warmup_result is None:
+      self.warmup_result = self._start_warmup()
     return tuple(ports)
 
+  def _start_warmup(self) -> asyncio.Future:
+    """Runs `Engine.warm_up` in a daemon thread (a process that exits does not wait for it);
+    returns a future of its counts, resolved on this loop."""
+    loop = asyncio.get_running_loop()
+    result = loop.create_future()
+    state = self.warmup_state
+
+    def progress(done: int, total: int, what: str) -> None:
+      state["done"], state["total"] = done, total
+      if done == 0:
+        log.info("warm-up: compiling %d device programs (%s), %d at a time", total, what,
+                 self.warmup_threads)
+      else:
+        log.info("warm-up: compiled %d/%d: %s", done, total, what)
+
+    def settle(value, error) -> None:
+      if result.done():
+        return
+      if error is None:
+        result.set_result(value)
+      else:
+        result.set_exception(error)
+
+    def run() -> None:
+      try:
+        out, err = self.engine.warm_up(progress, threads=self.warmup_threads,
+                                       stop=self._warmup_stop), None
+      except Exception as e:  # noqa: BLE001 -- reported by /health and the log, not raised here
+        log.exception("warm-up failed")
+        state["error"] = f"{type(e).__name__}: {e}"
+        out, err = None, e
+      else:
+        if out["done"] == out["programs"]:
+          log.info("warm-up done: %d programs in %.1f s (%d compiled, %d loaded from the "
+                   "persistent compilation cache)", out["programs"], out["seconds"],
+                   out["compiled"], out["cache_hits"])
+          self.warmup_state = None
+      try:
+        loop.call_soon_threadsafe(settle, out, err)
+      except RuntimeError:  # the loop is closed: nobody waits any more
+        pass
+
+    # Its error is reported by /health and the log; a server nobody awaits it on is no fault.
+    result.add_done_callback(lambda f: f.cancelled() or f.exception())
+    threading.Thread(target=run, name="rollout-warm-up", daemon=True).start()
+    return result
+
   async def stop(self) -> None:
+    self._warmup_stop.set()  # a warm-up under way ends after its current compilations
     for r in self._runners:
       await r.cleanup()
     self._runners = []
@@ -137,6 +206,11 @@ class Server:
   # ------------------------------------------------------------------ public endpoints
   async def health(self, request) -> web.Response:
     problems = [] if self.engine.running else ["the engine loop is not running"]
+    warming = self.warmup_state
+    if warming is not None:
+      problems.append(f"warm-up failed: {warming['error']}" if warming["error"] else
+                      f"warming up: compiled {warming['done']} of "
+                      f"{warming['total'] if warming['total'] is not None else '?'} programs")
     for check in self.health_checks:
       try:
         p = check()
@@ -145,8 +219,12 @@ class Server:
         p = f"health check {getattr(check, '__name__', check)!s} failed: {type(e).__name__}"
       if p:
         problems.append(p)
-    body = {"status": "ok" if not problems else "unhealthy",
-            "policy_version": self.engine.version}
+    status = "ok" if not problems else "unhealthy"
+    if warming is not None and not warming["error"] and len(problems) == 1:
+      status = "warming_up"
+    body = {"status": status, "policy_version": self.engine.version}
+    if warming is not None:
+      body["warmup"] = {"done": warming["done"], "total": warming["total"]}
     if problems:
       body["problems"] = problems
     return web.json_response(body, status=200 if not problems else 503)
@@ -275,7 +353,12 @@ def serve(engine: Engine, *, host: str = "127.0.0.1", port: int = 8000,
   """Runs the server until interrupted (blocking); `server_kw` go to `Server`.
 
   The start-up line says where the admin app listens and where its token is (the token itself,
-  once, only if it was generated and no token file was given).
+  once, only if it was generated and no token file was given). With `warmup=True` a second
+  line, "rollout server ready: ...", follows when the warm-up is done (how long, how many
+  programs, how many were compiled and how many loaded from the persistent compilation cache).
+
+  Warm-up is off unless asked for: this is also how other processes (pipeline samplers) and
+  tests serve an engine, and they start many servers; //tools:serve asks for it by default.
   """
   async def main():
     server = Server(engine, **server_kw)
@@ -285,6 +368,15 @@ def serve(engine: Engine, *, host: str = "127.0.0.1", port: int = 8000,
              f"admin on http://{admin_host}:{bound[1]}, {server.admin.token_notice()}")
     print(f"rollout server listening on http://{host}:{bound[0]} ({admin})", flush=True)
     try:
+      if server.warmup_result is not None:
+        try:
+          r = await server.warmup_result
+        except Exception:  # noqa: BLE001 -- logged by the warm-up; /health reports it
+          pass
+        else:
+          print(f"rollout server ready: warm-up took {r['seconds']:.1f} s for {r['programs']} "
+                f"programs ({r['compiled']} compiled, {r['cache_hits']} loaded from the "
+                f"persistent compilation cache)", flush=True)
       await asyncio.Event().wait()
     finally:
       await server.stop()

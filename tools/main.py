@@ -75,9 +75,8 @@ def main(argv=None, *, evaluate: bool = True) -> int:
   # One compilation cache per run: the evaluation engines, the RL samplers and learner compile
   # the same shapes again (each engine its own jit cache); XLA's persistent cache makes the
   # repeats loads. Per run, so every run starts cold and runs compare like with like.
-  import jax  # pylint: disable=g-import-not-at-top
-  jax.config.update("jax_compilation_cache_dir", os.path.join(run_dir, "xla_cache"))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+  from tools import compilation_cache  # pylint: disable=g-import-not-at-top
+  compilation_cache.enable(os.path.join(run_dir, "xla_cache"), min_compile_time_secs=0.5)
   summary = run_lib.run(cfg, run_dir, progress=not args.no_progress, evaluate=evaluate)
   if "hf_export" in summary:
     print(f"Hugging Face export: {summary['hf_export']}", flush=True)

@@ -18,6 +18,13 @@ The admin app (weight swaps, `rollout.admin`) listens on `--admin_host` (loopbac
 whatever `--host` is) at `--admin_port` and always requires a token: `--admin_token`,
 `$ROLLOUT_ADMIN_TOKEN`, or one generated at start-up, written to `--admin_token_file` (mode 0600)
 or else printed once. Swaps by path read only under `--checkpoint_root`.
+
+Start-up: the server listens at once, then compiles every device program a request can reach
+(`rollout.warmup`, `--warmup_threads` at a time), logging one line per program; `/health` answers
+503 until that is done, and a second stdout line, "rollout server ready: ...", says so.
+`--no_warmup` skips it (each new shape then compiles when a request first needs it). JAX's
+persistent compilation cache is on (`--compilation_cache_dir`, default
+`~/.cache/moe-rl/jax`; empty: off), so a restart loads those programs instead of compiling them.
 """
 
 from __future__ import annotations
@@ -32,7 +39,10 @@ from typing import Optional, Sequence
 from rollout import loading
 from rollout import server as server_lib
 from rollout.engine import Engine
+from tools import compilation_cache
 from tools import configs
+
+log = logging.getLogger(__name__)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -70,9 +80,21 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   p.add_argument("--max_queue", type=int, default=None)
   p.add_argument("--deterministic", action="store_true", default=None)
   p.add_argument("--request_timeout", type=float, default=600.0)
+  p.add_argument("--no_warmup", action="store_true",
+                 help="do not compile the engine's programs at start-up (/health is ready at "
+                      "once; a request of a new shape then waits for its compilation)")
+  p.add_argument("--warmup_threads", type=int, default=default_warmup_threads(),
+                 help="programs the warm-up compiles at once (default: the CPUs, at most 8)")
+  p.add_argument("--compilation_cache_dir", default=compilation_cache.default_dir(),
+                 help="JAX's persistent compilation cache (default: %(default)s; empty: off)")
   args, args.gin_file, args.gin_bindings = configs.parse_flags(p, sys.argv[1:] if argv is None
                                                                else argv)
   return args
+
+
+def default_warmup_threads() -> int:
+  """One compilation per CPU this process may use, at most 8 (each holds its own memory)."""
+  return max(1, min(8, len(os.sched_getaffinity(0))))
 
 
 def build_engine(args: argparse.Namespace) -> Engine:
@@ -112,6 +134,14 @@ def served_model_name(args: argparse.Namespace) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> None:
   logging.basicConfig(level=logging.INFO)
   args = parse_args(argv)
+  if args.warmup_threads < 1:
+    raise SystemExit(f"error: --warmup_threads must be >= 1, got {args.warmup_threads}")
+  # Before the engine is built: JAX decides at its first compilation whether the cache is used.
+  if args.compilation_cache_dir:
+    log.info("persistent compilation cache: %s",
+             compilation_cache.enable(args.compilation_cache_dir))
+  else:
+    log.info("persistent compilation cache: off")
   engine = build_engine(args)
   admin_port = args.port + 1 if args.admin_port is None else args.admin_port
   cfg = engine.model_config
@@ -123,7 +153,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                    admin_allowed_hosts=[h for h in args.admin_allowed_hosts.split(",") if h],
                    checkpoint_root=args.checkpoint_root, max_delta_bytes=args.max_delta_bytes,
                    request_timeout=args.request_timeout,
-                   load_flat=lambda path: loading.load_flat(path, cfg))
+                   load_flat=lambda path: loading.load_flat(path, cfg),
+                   warmup=not args.no_warmup, warmup_threads=args.warmup_threads)
 
 
 if __name__ == "__main__":
