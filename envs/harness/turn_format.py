@@ -154,6 +154,34 @@ _PROBE_TASK = "Fix mean in a.py."
 _PROBE_REQUEST = "The context is full. Summarise your progress."
 
 
+def _render(render: Callable[..., str], name: str, messages: Sequence[Mapping],
+            gen: bool) -> str:
+  try:
+    return render(list(messages), add_generation_prompt=gen)
+  except Exception as e:  # noqa: BLE001 -- a template's own error, whatever its type
+    roles = [m["role"] for m in messages]
+    raise ChatTemplateUnfit(f"{name} cannot render the agent's conversation (roles {roles}): "
+                            f"{type(e).__name__}: {e}") from e
+
+
+def _after_mark(render: Callable[..., str], name: str, messages: Sequence[Mapping],
+                gen: bool) -> str:
+  """The rendering of (system, user, assistant turn) + `messages` after the turn's content."""
+  text = _render(render, name, _BASE + tuple(messages), gen)
+  at = text.find(_MARK)
+  if at < 0:
+    raise ChatTemplateUnfit(f"{name} does not write an assistant turn's content as given")
+  return text[at + len(_MARK):]
+
+
+def assistant_close(render: Callable[..., str], name: str = "chat template") -> str:
+  """What the template `render` (as `ChatTurns` takes it) writes after an assistant turn's
+  content (Qwen's `<|im_end|>` and a newline): its first token is the one the model ends its
+  turn with, for a caller choosing `ChatTurns`' end tokens. Raises ChatTemplateUnfit as
+  `ChatTurns` does."""
+  return _after_mark(render, name, [], False)
+
+
 class ChatTurns:
   """Agent turns in a model's chat template (see the module docstring).
 
@@ -168,7 +196,8 @@ class ChatTurns:
     name: the template's name in messages (e.g. the path it was read from).
 
   Attributes:
-    close: what the template writes after an assistant turn's content (Qwen's `<|im_end|>\n`).
+    close: what the template writes after an assistant turn's content (Qwen's `<|im_end|>` and
+      a newline).
     end_of_turn: the start of `close` the model writes itself (`<|im_end|>`).
 
   Raises:
@@ -186,7 +215,7 @@ class ChatTurns:
                name: str = "chat template"):
     self.render = render
     self.name = name
-    self.close = self._after_mark([], False)
+    self.close = assistant_close(render, name)
     if not self.close:
       raise ChatTemplateUnfit(f"{name} writes nothing after an assistant turn's content, so no "
                               "token ends the model's turn")
@@ -194,30 +223,17 @@ class ChatTurns:
     if not ends:
       raise ChatTemplateUnfit(
           f"{name} closes an assistant turn with {self.close!r}, which starts with none of the "
-          f"model's end tokens {list(end_tokens)!r}: give the token that ends the model's turn "
-          "(a checkpoint's generation_config.json EOS list names it)")
+          f"model's end tokens {list(end_tokens)!r}, so its turns cannot stop where the template "
+          "ends them")
     self.end_of_turn = ends[-1]
     for probe in (_PLAIN, _REASONING):
       self._check(probe)
 
   def _render(self, messages: Sequence[Mapping], gen: bool) -> str:
-    try:
-      return self.render(list(messages), add_generation_prompt=gen)
-    except Exception as e:  # noqa: BLE001 -- a template's own error, whatever its type
-      roles = [m["role"] for m in messages]
-      raise ChatTemplateUnfit(f"{self.name} cannot render the agent's conversation (roles "
-                              f"{roles}): {type(e).__name__}: {e}") from e
-
-  def _after_mark(self, messages: Sequence[Mapping], gen: bool) -> str:
-    """The rendering of (system, user, assistant turn) + `messages` after the turn's content."""
-    text = self._render(_BASE + tuple(messages), gen)
-    at = text.find(_MARK)
-    if at < 0:
-      raise ChatTemplateUnfit(f"{self.name} does not write an assistant turn's content as given")
-    return text[at + len(_MARK):]
+    return _render(self.render, self.name, messages, gen)
 
   def _after_close(self, messages: Sequence[Mapping], gen: bool) -> str:
-    text = self._after_mark(messages, gen)
+    text = _after_mark(self.render, self.name, messages, gen)
     if not text.startswith(self.close):
       raise ChatTemplateUnfit(
           f"{self.name} closes an assistant turn with {self.close!r} when it is the last "
