@@ -282,7 +282,15 @@ class BPETokenizer(JsonTokenizer):
   The byte tokenizer spends one id per byte, so an agent transcript of ~800 bytes is ~800
   positions; byte-level BPE trained on the same corpus (a vocabulary of a few thousand) cuts
   that about four-fold, which is attention and decode work the tiny models on a CPU do not pay.
-  Byte-level pre-tokenisation (GPT-2's) keeps it lossless for any text.
+  Byte-level pre-tokenisation keeps it lossless for any text.
+
+  Pre-tokenisation splits as Qwen2's and Llama 3's tokenizers do (`PRETOKENIZE_PATTERN`): a
+  line break stays with the punctuation before it and apart from the indentation after it, and
+  digits are single tokens. So a prompt that ends at a line break (a function's signature, a
+  turn's header) tokenizes exactly as the same text does inside a training document. With GPT-2's
+  pattern the break merged with the next line's indentation (`"\n   "`), a lone `"\n"` token
+  only ever preceded the end of a document, and a model trained on it answered such prompts with
+  EOS (the pyfunc suite: 0 of 288 validation samples passed where bytes passed 108).
 
   `special_tokens` (pad, bos, eos) are dropped by `decode(..., skip_special=True)`;
   `extra_tokens` (a chat template's tags: `<|im_start|>`, `<tool_call>`, ...) are single ids
@@ -291,6 +299,9 @@ class BPETokenizer(JsonTokenizer):
   """
 
   special_tokens: tuple[str, ...] = ("<pad>", "<bos>", "<eos>")
+  # Qwen2's (and, but for digit runs, Llama 3's) pre-tokenisation regex.
+  PRETOKENIZE_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+                         r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 
   def __init__(self, tok, *, id_limit: Optional[int] = None):
     pad, bos, eos = self.special_tokens
@@ -313,7 +324,9 @@ class BPETokenizer(JsonTokenizer):
       raise ValueError(f"vocab_size must be at least {NUM_BYTES + len(reserved)} (the 256 bytes "
                        f"and {len(reserved)} special and template tokens), got {vocab_size}")
     tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(tokenizers.Regex(cls.PRETOKENIZE_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     # Reserved tokens are the trainer's specials (ids 0..): never split, never merged into.
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=reserved,

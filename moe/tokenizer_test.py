@@ -55,6 +55,22 @@ def test_bpe_compresses_and_round_trips(tmp_path):
   assert again.encode(text) == tok.encode(text) and again.vocab_size == tok.vocab_size
 
 
+def test_bpe_prompts_ending_at_a_line_break_tokenize_as_inside_a_document():
+  # Single-turn code prompts end at the signature's line break; the model must see there the
+  # tokens its training documents had at that point, or it has never seen what follows them.
+  ops = [("add", "+"), ("sub", "-"), ("mul", "*"), ("mod", "%")]
+  prompts = [f"# return x {name} {k}\ndef {name}_{k}(x):\n" for name, _ in ops for k in range(12)]
+  docs = [p + f"    return x {op} {k}\n" for p, (name, op), k in zip(
+      prompts, [o for o in ops for _ in range(12)], [k for _ in ops for k in range(12)])]
+  tok = tokenizer.BPETokenizer.train(docs * 5, 600)
+  for prompt, doc in zip(prompts, docs):
+    head = tok.encode(prompt)
+    assert tok.encode(doc)[:len(head)] == head, (prompt, tok.encode(doc)[:len(head)], head)
+    assert tok.decode(tok.encode(doc)) == doc
+  # Digits are single tokens, so a number is copied digit by digit.
+  assert tok.encode("1234") == [tok.encode(d)[0] for d in "1234"]
+
+
 def test_bpe_bad_input():
   with pytest.raises(ValueError, match="vocab_size must be at least"):
     tokenizer.BPETokenizer.train(_CORPUS, 100)
