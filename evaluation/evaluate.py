@@ -22,9 +22,10 @@ and grades the code in the answer (`envs.harness.chat_style`: a chat model's tas
 completion also ends at `eos_token_ids` (a checkpoint's EOS list: a chat model ends its turn with
 a token, such as Qwen3's `<|im_end|>`, that is not its tokenizer's EOS).
 
-Agent tasks of a model with a chat template are written in that template (`agent_chat`, unless
-`loop_config` says otherwise): the system and user messages, the model's turns, each tool result
-a tool message, each turn ending at the template's end-of-turn token (`envs.harness.turn_format`).
+Agent tasks of a model with a chat template are written in that template
+(`envs.harness.turn_format.chat_turns`, unless `loop_config` says otherwise): the system and
+user messages, the model's turns, each tool result a tool message, each turn ending at the
+template's end-of-turn token.
 
 Per-task results go to a JSONL file (task id, suite, n, c, pass@k, every sample's completion,
 reward and flags) and the summary next to it (`<out>.summary.json`). Seeds are derived from
@@ -156,32 +157,6 @@ def prompt_ids(task: task_format.Task, style, tokenizer, add_bos: bool) -> list:
                                                                  add_bos=add_bos))
 
 
-def agent_chat(tokenizer, eos_token_ids: Sequence[int] = ()):
-  """The agent loop's turns in the tokenizer's chat template (`envs.harness.turn_format
-  .ChatTurns`: a chat model's episodes as the conversations it was trained on), or None when it
-  has none (the project's template then).
-
-  The model's turns end at the token the template closes an assistant turn with, found among its
-  end tokens: `eos_token_ids` (a checkpoint's EOS list: Qwen3's names `<|im_end|>`), the
-  tokenizer's EOS, and the first token of the template's close when the tokenizer holds it as a
-  special token (a base checkpoint ships its family's chat template but names only
-  `<|endoftext|>` as EOS). The harness asks the sampler to stop there.
-
-  Raises:
-    turn_format.ChatTemplateUnfit (a ValueError): a template the loop cannot write episodes in
-      exactly (not prefix-stable, no tool messages, or no end token closes a turn).
-  """
-  template = getattr(tokenizer, "chat_template", None)
-  if template is None:
-    return None
-  first = tokenizer.encode(turn_format.assistant_close(template.render, template.origin))[:1]
-  special = [t for t in first if tokenizer.decode([t]) == ""]  # dropped as special: a tag
-  ends = [t for t in dict.fromkeys([*eos_token_ids, tokenizer.eos_id, *special]) if t is not None]
-  return turn_format.ChatTurns(template.render, name=template.origin,
-                               end_tokens=[tokenizer.decode([t], skip_special=False)
-                                           for t in ends])
-
-
 def _passed(t: traj_lib.Trajectory) -> bool:
   return (t.status == reward_lib.OK and (t.test_reward or 0.0) >= 1.0
           and (t.reward or 0.0) >= 1.0)
@@ -246,7 +221,7 @@ def evaluate(model_or_engine: Any, tasks: Sequence[task_format.Task], *, n: int 
     reward_config: grading settings, as in training.
     loop_config: agent-loop settings for agent mode (temperature, seed and max_tokens_per_turn
       are set from the arguments above). None: the defaults, with the tokenizer's chat template
-      for agent turns when it has one (`agent_chat`).
+      for agent turns when it has one (`turn_format.chat_turns`).
     engine_config: EngineConfig for an engine built from a model or checkpoint.
     max_concurrency: most tasks in flight at once.
     progress: called as progress(tasks_done, num_tasks) after each task.
@@ -256,7 +231,7 @@ def evaluate(model_or_engine: Any, tasks: Sequence[task_format.Task], *, n: int 
       no tokenizer for a vocabulary that is not bytes (moe.tokenizer.TokenizerError), add_bos
       with a tokenizer that has no BOS, or prompt_style "chat" with one that has no chat
       template (or whose template refuses a task's message: moe.chat_template.ChatTemplateError),
-      or agent tasks with a chat template the agent loop cannot use (`agent_chat`).
+      or agent tasks with a chat template the agent loop cannot use (`turn_format.chat_turns`).
   """
   if not tasks:
     raise ValueError("no tasks to evaluate")
@@ -278,7 +253,7 @@ def evaluate(model_or_engine: Any, tasks: Sequence[task_format.Task], *, n: int 
   longest = max((len(prompt_ids(t, style, tokenizer, add_bos))
                  for t, m in zip(tasks, modes) if m == "single_turn"), default=0)
   loop = loop_config or agent_loop.LoopConfig(
-      chat=agent_chat(tokenizer, eos_token_ids) if "agent" in modes else None)
+      chat=turn_format.chat_turns(tokenizer, eos_token_ids) if "agent" in modes else None)
   if "agent" in modes:
     context = loop.max_context_tokens
   else:

@@ -3,8 +3,8 @@
 A Qwen-style checkpoint's tokenizer (a tiny BPE saved by transformers with a Qwen3-style chat
 template; its EOS list, as a Qwen3 chat checkpoint's generation_config.json has it, names
 `<|endoftext|>` and `<|im_end|>`) and a scripted sampler that solves a repository task: the
-evaluation hands the harness the template (`evaluate.agent_chat`), so the sampler is sent
-transformers' rendering of the conversation and asked to stop at `<|im_end|>`.
+evaluation hands the harness the template (`envs.harness.turn_format.chat_turns`), so the sampler
+is sent transformers' rendering of the conversation and asked to stop at `<|im_end|>`.
 """
 
 import copy
@@ -94,7 +94,7 @@ def test_the_end_of_turn_is_the_special_token_that_closes_a_turn(checkpoint):
   template whose close starts with plain text has no token to stop at and is refused."""
   tok, _ = checkpoint
   for eos in (tok.encode("<|im_end|>"), ()):
-    chat = evaluate_lib.agent_chat(tok, eos)
+    chat = turn_format.chat_turns(tok, eos)
     assert chat.end_of_turn == "<|im_end|>" and chat.name.endswith("chat_template.jinja")
   plain = copy.copy(tok)
   plain.chat_template = chat_template.ChatTemplate(
@@ -104,8 +104,8 @@ def test_the_end_of_turn_is_the_special_token_that_closes_a_turn(checkpoint):
       origin="plain.jinja")
   assert turn_format.assistant_close(plain.chat_template.render) == "END\n"
   with pytest.raises(turn_format.ChatTemplateUnfit, match="plain.jinja closes an assistant turn"):
-    evaluate_lib.agent_chat(plain)
-  assert evaluate_lib.agent_chat(tokenizer_lib.ByteTokenizer()) is None  # no template
+    turn_format.chat_turns(plain)
+  assert turn_format.chat_turns(tokenizer_lib.ByteTokenizer()) is None  # no template
 
 
 if __name__ == "__main__":

@@ -203,6 +203,16 @@ class ChatTemplate:
     except jinja2.TemplateSyntaxError as e:
       raise ChatTemplateError(f"{origin} does not compile: {e.message} (line {e.lineno})") from e
 
+  # A compiled jinja template does not pickle; its source does and compiles again on load, so
+  # what holds a template (the agent loop's turns of a chat model, envs.harness.turn_format)
+  # can be sent to another process.
+  def __getstate__(self) -> dict:
+    return {k: v for k, v in self.__dict__.items() if k != "_template"}
+
+  def __setstate__(self, state: dict) -> None:
+    self.__dict__.update(state)
+    self._template = _environment().from_string(self.source)
+
   def render(self, messages: Sequence[Mapping], *, add_generation_prompt: bool = True,
              tools: Optional[Sequence[Mapping]] = None, **variables) -> str:
     """The prompt text of `messages` (OpenAI-style dicts: role, content, tool_calls, ...).

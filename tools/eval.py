@@ -20,7 +20,7 @@ is asked in a user message rendered with the checkpoint's chat template, and the
 answer is graded: envs.harness.chat_style); a model with an EOS list in its checkpoint
 (generation_config.json) stops at every id of it. Agent tasks (`--mode=agent`, or swe and file
 tasks without a prompt) of a checkpoint with a chat template are written in that template, each
-turn ending at its end-of-turn token (`evaluation.evaluate.agent_chat`, envs.harness.turn_format).
+turn ending at its end-of-turn token (envs.harness.turn_format.chat_turns).
 Per-task results go to `--out` (JSONL) and the summary to `<out stem>.summary.json`; the last
 lines printed are the summary table.
 """

@@ -72,6 +72,26 @@ class LoopConfig:
     return self.chat if self.chat is not None else turn_format.PROJECT
 
 
+def chat_for(tasks, tokenizer, eos_token_ids=()) -> turn_format.ChatTurns | None:
+  """`LoopConfig.chat` for the agent episodes of `tasks` by the model whose tokenizer is
+  `tokenizer`: the turns of its chat template when it has one (`turn_format.chat_turns`, its
+  turns ending at the end-of-turn token among `eos_token_ids`, the checkpoint's EOS list), else
+  None (the project's template, the one the project's own models are pre-trained on).
+
+  Where a run decides it (experiment.run: its transcripts, evaluations and RL; the multi-process
+  controller, pipeline.processes), so every part writes a model's episodes alike. None as well
+  when no task of `tasks` runs as an agent episode (each has a single-turn prompt): the loop is
+  not used, and a template it could not use must not stop such a run.
+
+  Raises:
+    turn_format.ChatTemplateUnfit (a ValueError): agent tasks and a chat template the loop
+      cannot write episodes in exactly.
+  """
+  if all(t.prompt for t in tasks):
+    return None
+  return turn_format.chat_turns(tokenizer, eos_token_ids)
+
+
 _OMITTED = "[output omitted: the context is full]"
 
 

@@ -38,6 +38,13 @@ Each turn's prompt is then the template's rendering of the conversation so far; 
 context equals the rendering of the whole conversation (`add_generation_prompt=False`) except
 where a template writes its *last* assistant turn differently from earlier ones (Qwen3's writes
 an empty `<think>` block into a last turn that has none), which no prompt the model saw holds.
+
+Which format a model's episodes are written in is decided in one place, `chat_turns(tokenizer,
+eos_token_ids)`: `ChatTurns` of the tokenizer's chat template when it has one, else None (the
+project's). RL (in-process and the multi-process controller), evaluation and the pre-training
+transcripts all take it from there (runs through `agent_loop.chat_for`), so a model sees one
+format from its first transcript to its last evaluation. A `ChatTurns` pickles (with the template's source, compiled again where it is
+unpickled), so a `LoopConfig` holding one can travel to another process.
 """
 
 from __future__ import annotations
@@ -292,3 +299,34 @@ class ChatTurns:
       elif not last:
         text += self.observations(results) + self.header(results)
         messages += self._tool(results)
+
+
+def chat_turns(tokenizer, eos_token_ids: Sequence[int] = ()) -> ChatTurns | None:
+  """The turns of agent episodes for the model whose tokenizer is `tokenizer`: `ChatTurns` of
+  its chat template (a chat model's episodes as the conversations it was trained on), or None
+  when it has none (the project's template then: `PROJECT`, the model pre-trained on it).
+
+  The model's turns end at the token the template closes an assistant turn with, found among
+  its end tokens: `eos_token_ids` (a checkpoint's EOS list: Qwen3's names `<|im_end|>`), the
+  tokenizer's EOS, and the first token of the template's close when the tokenizer holds it as a
+  special token (a base checkpoint ships its family's chat template but names only
+  `<|endoftext|>` as EOS). The harness asks the sampler to stop there.
+
+  Args:
+    tokenizer: the model's tokenizer (e.g. `moe.tokenizer.for_model`'s): `chat_template` (an
+      object with `render(messages, add_generation_prompt=)` and `origin`, or None), `encode`,
+      `decode(ids, skip_special=)` and `eos_id`.
+    eos_token_ids: the checkpoint's EOS list (generation_config.json's), if it has one.
+
+  Raises:
+    ChatTemplateUnfit (a ValueError): a template the loop cannot write episodes in exactly (not
+      prefix-stable, no tool messages, or no end token closes a turn).
+  """
+  template = getattr(tokenizer, "chat_template", None)
+  if template is None:
+    return None
+  first = tokenizer.encode(assistant_close(template.render, template.origin))[:1]
+  special = [t for t in first if tokenizer.decode([t]) == ""]  # dropped as special: a tag
+  ends = [t for t in dict.fromkeys([*eos_token_ids, tokenizer.eos_id, *special]) if t is not None]
+  return ChatTurns(template.render, name=template.origin,
+                   end_tokens=[tokenizer.decode([t], skip_special=False) for t in ends])

@@ -11,6 +11,7 @@ results merged into one user turn, the last assistant turn written with a `<thin
 
 import dataclasses
 import json
+import pickle
 import sys
 
 import pytest
@@ -294,6 +295,22 @@ def test_pieces_of_a_qwen3_like_template(checkpoints):
   assert chat.summary_request(["a"], "Sum.") == (
       "<|im_start|>user\n<tool_response>\na\n</tool_response>\n<tool_response>\nSum.\n"
       "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_loop_config_in_a_chat_template_pickles(checkpoints):
+  """A LoopConfig holding a chat model's turns (`turn_format.chat_turns` of its tokenizer) goes
+  to another process (a fleet job's payload) and writes the same pieces there: the template's
+  source travels and is compiled again."""
+  tok, _ = checkpoints["qwen3_like"]
+  chat = turn_format.chat_turns(tok)
+  loop = agent_loop.LoopConfig(chat=chat, tools=("run_tests", "submit"))
+  back = pickle.loads(pickle.dumps(loop))
+  assert back.chat is not chat and back.chat.name == chat.name and back.tools == loop.tools
+  assert agent_loop.initial_prompt("Go.", back) == agent_loop.initial_prompt("Go.", loop)
+  for fmt in (chat, back.chat):
+    assert (fmt.close, fmt.end_of_turn) == (END + "\n", END)
+  assert back.chat.summary_request(["a"], "Sum.") == chat.summary_request(["a"], "Sum.")
+  assert back.chat.observations(["a", "b"]) == chat.observations(["a", "b"])
 
 
 @pytest.mark.parametrize("source,render_kw,end_tokens,message", [

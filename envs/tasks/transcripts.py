@@ -103,15 +103,18 @@ class Oracle:
 
   def __init__(self, task: task_format.Task, steps: Sequence[dict],
                tokenizer: policy_lib.Tokenizer, summary_max_tokens: int,
-               summary_request: str = agent_loop.SUMMARY_REQUEST):
+               summary_request: str = agent_loop.SUMMARY_REQUEST,
+               end_of_turn: str = toolcall.IM_END):
     self.task = task
     self.summary_request = summary_request
     self.tokenizer = tokenizer
     self.summary_max_tokens = summary_max_tokens
+    self.end_of_turn = end_of_turn  # the turn format's (a chat template's, e.g. <|im_end|>)
     self.steps = list(steps)
     self.done = 0
     self.checked = 0
     self.summaries = 0
+    self.last: str | None = None  # the oracle's last turn, as the prompts show it
     self.error: str | None = None
 
   def summary(self) -> str:
@@ -121,7 +124,7 @@ class Oracle:
     while True:
       text = (f"Found: {'; '.join(facts) if facts else 'nothing'}. "
               f"Next: {_next_action(self.steps[self.done])}.")
-      if len(self.tokenizer.encode(text + toolcall.IM_END)) <= self.summary_max_tokens:
+      if len(self.tokenizer.encode(text + self.end_of_turn)) <= self.summary_max_tokens:
         return text
       if not facts:
         self._fail(f"{self.task.task_id}: no summary fits summary_max_tokens "
@@ -134,32 +137,39 @@ class Oracle:
     self.error = why
     raise policy_lib.PolicyError(why)
 
-  def _check_last_observation(self, prompt: str) -> None:
+  def _check_last_observation(self, observation: str) -> None:
     """The observation of the step just taken must show what the next step relies on."""
     if not self.done or self.checked == self.done:
       return
     self.checked = self.done
     expect = self.steps[self.done - 1]["expect"]
-    observation = prompt.rsplit("<tool_response>\n", 1)[-1].split("\n</tool_response>", 1)[0]
     if expect not in observation:
       self._fail(f"{self.task.task_id}: step {self.done} ({self.steps[self.done - 1]['tool']}) "
                  f"should show {expect!r}; it showed {observation!r}")
 
   def __call__(self, prompt: str, index: int) -> str:
     del index
-    last_user = prompt.rsplit(f"{toolcall.IM_START}user\n", 1)[-1]
-    # A summary request follows the last step's observation; a fresh context (after a
-    # summary) holds none, the summary carries what it showed.
-    if last_user.startswith(self.summary_request) or last_user.startswith("<tool_response>"):
-      self._check_last_observation(prompt)
-    if last_user.startswith(self.summary_request):
+    # What the loop wrote after the oracle's last turn: the observation of the step just taken,
+    # then the summary request when it asks for one. Read after the turn's own text, not by a
+    # template's tags, so every turn format reads alike (a chat template writes tool results
+    # and the request as tool messages, and a checkpoint's tokenizer decodes its tags to
+    # nothing). A fresh context (after a summary) holds no observation: the summary carries
+    # what it showed, and it was checked when the request came.
+    at = prompt.rfind(self.last) if self.last else -1
+    after = prompt[at + len(self.last):] if at >= 0 else ""
+    asked = self.summary_request in after
+    if after:
+      self._check_last_observation(after.split(self.summary_request, 1)[0])
+    if asked:
       self.summaries += 1
-      return self.summary() + toolcall.IM_END
+      self.last = self.summary()
+      return self.last + self.end_of_turn
     if self.done >= len(self.steps):
       self._fail(f"{self.task.task_id}: asked for a step after submitting")
     step = self.steps[self.done]
     self.done += 1
-    return _call(step["tool"], step["args"])
+    self.last = _call(step["tool"], step["args"])
+    return self.last
 
 
 @dataclasses.dataclass
@@ -184,7 +194,8 @@ def _prompt_lengths(seg: traj_lib.Segment) -> list[int]:
 def _episode(task, steps, variant, *, pool, config, tokenizer
              ) -> tuple[Transcript, traj_lib.Trajectory]:
   for attempt in range(_INFRA_ATTEMPTS):
-    oracle = Oracle(task, steps, tokenizer, config.summary_max_tokens, config.summary_request)
+    oracle = Oracle(task, steps, tokenizer, config.summary_max_tokens, config.summary_request,
+                    config.turns.end_of_turn)
     tr = agent_loop.run_episode(task, policy_lib.ScriptedPolicy(oracle, tokenizer), pool=pool,
                                 config=config)
     if oracle.error:
@@ -195,7 +206,10 @@ def _episode(task, steps, variant, *, pool, config, tokenizer
     if attempt + 1 == _INFRA_ATTEMPTS:
       raise RuntimeError(f"{task.task_id}: the sandbox failed {_INFRA_ATTEMPTS} times: "
                          f"{tr.infra_error}")
-  docs = [tokenizer.decode(s.token_ids) for s in tr.segments]
+  # Special tokens kept: a checkpoint's tokenizer holds a chat template's tags (<|im_start|>)
+  # as special tokens, which a plain decode drops. (The oracle's contexts hold no BOS or EOS:
+  # ScriptedPolicy starts none and writes none.)
+  docs = [tokenizer.decode(s.token_ids, skip_special=False) for s in tr.segments]
   return Transcript(task.task_id, variant, docs, [len(s.token_ids) for s in tr.segments],
                     tr.reward, tr.status, sum(s.ended_by_summary for s in tr.segments),
                     tr.num_turns, config.max_context_tokens), tr
