@@ -6,6 +6,7 @@ import dataclasses
 from typing import Optional
 
 from envs.harness import agent_loop
+from envs.harness import turn_format
 from moe.config import ModelConfig
 from pipeline.config import PipelineConfig
 from rl.learner import LearnerConfig
@@ -162,7 +163,10 @@ class AgentConfig:
   summary_request: str = ("Context full. Summarise for yourself: the task, what you found, what "
                           "you changed, what is left.")
 
-  def loop_config(self, max_tokens_per_turn: int) -> agent_loop.LoopConfig:
+  def loop_config(self, max_tokens_per_turn: int,
+                  chat: Optional[turn_format.ChatTurns] = None) -> agent_loop.LoopConfig:
+    """The loop's settings; `chat`: the model's chat turns (`turn_format.chat_turns` of its
+    tokenizer, decided once per run: experiment.run), None for the project's template."""
     return agent_loop.LoopConfig(
         max_turns=self.max_turns, max_context_tokens=self.max_context_tokens,
         summary_max_tokens=self.summary_max_tokens, max_summaries=self.max_summaries,
@@ -170,7 +174,7 @@ class AgentConfig:
         max_calls_per_turn=self.max_calls_per_turn,
         tools=None if self.tools is None else tuple(self.tools),
         summary_request=self.summary_request,
-        max_tokens_per_turn=max_tokens_per_turn)
+        max_tokens_per_turn=max_tokens_per_turn, chat=chat)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from envs.harness import agent_loop
 from envs.harness import toolcall
 from envs.sandbox import pool as pool_lib
 from envs.tasks import suite_pyfunc
@@ -75,25 +76,32 @@ def _engine_config(cfg: ExperimentConfig, slots: int, eos_token_ids: tuple = ())
                       min_prefill_len=max(16, window // 16), eos_token_ids=tuple(eos_token_ids))
 
 
-def _save_model(model, tokenizer, directory: str) -> None:
+def _save_model(model, tokenizer, directory: str, eos_token_ids: Sequence[int] = ()) -> None:
   """The model's parameters, and its tokenizer beside them unless it is bytes: a trained BPE's
   tokenizer.json, or a checkpoint's tokenizer files (tokenizer.json, tokenizer_config.json with
-  its roles, its chat template), so `moe.tokenizer.for_model(directory)` finds either."""
+  its roles, its chat template), so `moe.tokenizer.for_model(directory)` finds either; and the
+  checkpoint's EOS list (`eos_token_ids`, a chat model's end of turn among them) in
+  generation_config.json, as a Hugging Face checkpoint keeps it, so whatever serves or samples
+  the model from this directory (the multi-process parts, pipeline.processes; a later run's
+  pretrained_model) stops where it does and writes its agent turns as this run does."""
   moe_checkpoint.save_params(model, directory)
   if isinstance(tokenizer, BPETokenizer):
     tokenizer.save(directory)
   elif isinstance(tokenizer, tokenizer_lib.JsonTokenizer):
     special_tokens.write_tokenizer(tokenizer, directory, vocab_size=model.config.vocab_size)
+  if eos_token_ids:
+    special_tokens.write_generation_config(
+        directory, special_tokens.token_ids(tokenizer, eos_token_ids))
 
 
 def _eval(model, tasks, cfg: ExperimentConfig, pool, out_path: str, progress=None,
-          tokenizer=None, eos_token_ids: tuple = ()):
+          tokenizer=None, eos_token_ids: tuple = (), chat=None):
   e = cfg.eval
   report = evaluate_lib.evaluate(
       model, tasks, n=e.samples, k_list=e.k_list, temperature=e.temperature,
       max_tokens=e.max_tokens, seed=cfg.seed + 17, pool=pool, out_path=out_path,
       engine_config=_engine_config(cfg, 64 if cfg.suite == "pyfunc" else 16, eos_token_ids),
-      progress=progress, loop_config=cfg.agent.loop_config(e.max_tokens), tokenizer=tokenizer,
+      progress=progress, loop_config=cfg.agent.loop_config(e.max_tokens, chat), tokenizer=tokenizer,
       add_bos=tokenizer is None or tokenizer.bos_id is not None)
   passed = sum(r.c for r in report.results)
   total = sum(r.n for r in report.results)
@@ -101,13 +109,14 @@ def _eval(model, tasks, cfg: ExperimentConfig, pool, out_path: str, progress=Non
 
 
 def corpus(cfg: ExperimentConfig, all_tasks, pool, tokenizer=None, *,
-           tasks_share: int = 1) -> tuple[list, dict]:
+           tasks_share: int = 1, chat=None) -> tuple[list, dict]:
   """The pre-training documents and what they hold.
 
   Single-turn suite: the train tasks' prompts and solutions and generated code snippets. The
   repository suite: generated code snippets and agent transcripts of the train tasks (oracle
-  episodes run by the harness with the RL run's loop settings and `tokenizer`, the model's,
-  since the context window is counted in its tokens: envs.tasks.transcripts), so the model
+  episodes run by the harness with the RL run's loop settings and turns, `chat`
+  (envs.harness.agent_loop.chat_for), and `tokenizer`, the model's, since the context window
+  is counted in its tokens: envs.tasks.transcripts), so the model
   learns the tool-call format, reading test output, fixing and summarising before RL.
   With pretrain.random_name_tasks, transcripts of made-up-name tasks join them (no held-out
   task's names). `tasks_share` k > 1 runs transcripts of every k-th task only (the tokenizer's
@@ -122,7 +131,7 @@ def corpus(cfg: ExperimentConfig, all_tasks, pool, tokenizer=None, *,
   code = suite_pyfunc.pretraining_corpus([], n_snippets=p.corpus_snippets, repeats=0,
                                          seed=cfg.seed)
   # The oracle takes the turns its plan needs (the task's limit), whatever RL's turn cap.
-  loop = dataclasses.replace(cfg.agent.loop_config(cfg.rl.pipeline.max_new_tokens),
+  loop = dataclasses.replace(cfg.agent.loop_config(cfg.rl.pipeline.max_new_tokens, chat),
                              max_turns=None)
   sources_ = [t for t in all_tasks if t.split == "train"]
   if p.random_name_tasks:
@@ -172,10 +181,12 @@ def with_tokenizer(cfg: ExperimentConfig, tokenizer) -> ExperimentConfig:
 
 def pretrain(cfg: ExperimentConfig, run_dir: str, all_tasks, mesh, *,
              rep: Optional[reporting.Reporter] = None,
-             echo: Callable[[str], None] = print, pool=None, tokenizer=None, init_model=None):
-  """Continual pre-training on the generated corpus (`corpus`, in `tokenizer`'s tokens) of
-  `init_model` (an imported checkpoint), else of a fresh model; returns the model (`init_model`
-  or the fresh one if steps == 0). cfg.model's vocabulary must hold the tokenizer's."""
+             echo: Callable[[str], None] = print, pool=None, tokenizer=None, init_model=None,
+             chat=None):
+  """Continual pre-training on the generated corpus (`corpus`, in `tokenizer`'s tokens, its
+  agent transcripts in the turns `chat`: envs.harness.agent_loop.chat_for) of `init_model` (an
+  imported checkpoint), else of a fresh model; returns the model (`init_model` or the fresh one
+  if steps == 0). cfg.model's vocabulary must hold the tokenizer's."""
   t0 = time.time()
   tokenizer = tokenizer or ByteTokenizer()
   pre_cfg = cfg.model.replace(capacity_factor=cfg.pretrain.capacity_factor)
@@ -185,7 +196,7 @@ def pretrain(cfg: ExperimentConfig, run_dir: str, all_tasks, mesh, *,
   pre = learner_lib.build_learner(p.learner_config(), pre_cfg, mesh=mesh, seed=cfg.seed,
                                   init_model=init_model)
   if p.steps:
-    docs, about = corpus(cfg, all_tasks, pool, tokenizer)
+    docs, about = corpus(cfg, all_tasks, pool, tokenizer, chat=chat)
     about["tokenizer"] = {"kind": cfg.tokenizer, "vocab_size": tokenizer.vocab_size}
     with open(os.path.join(run_dir, "corpus.json"), "w", encoding="utf-8") as f:
       json.dump(about, f, indent=1)
@@ -198,7 +209,8 @@ def pretrain(cfg: ExperimentConfig, run_dir: str, all_tasks, mesh, *,
     trainer = Trainer(pre, pretrain_data.pretrain_dataset(
         files, seq_len=p.seq_len, batch_rows=p.batch_rows, seed=cfg.seed, tokenizer=tokenizer,
         trained_spans=toolcall.assistant_spans if p.model_turns_only else None))
-    probe = copy_probe(cfg, pool, tokenizer) if p.probe_tasks and cfg.suite == "repo" else None
+    probe = (copy_probe(cfg, pool, tokenizer, chat) if p.probe_tasks and cfg.suite == "repo"
+             else None)
     if rep is not None:
       rep.start_phase("pretrain", p.steps)
     for i in range(1, p.steps + 1):
@@ -221,14 +233,14 @@ def pretrain(cfg: ExperimentConfig, run_dir: str, all_tasks, mesh, *,
   return nnx.merge(nnx.graphdef(build.abstract(cfg.model)), nnx.state(pre.model()))
 
 
-def copy_probe(cfg: ExperimentConfig, pool, tokenizer):
+def copy_probe(cfg: ExperimentConfig, pool, tokenizer, chat=None):
   """The pre-training probe (PretrainConfig.probe_tasks): model -> {label: (exact, turns)} over
   the oracle transcripts (direct plan where it succeeds) of fresh made-up-name tasks (seed + 2;
   the corpus's made-up-name tasks use seed + 1, and the suite's names are never made up), in
-  rows of the pre-training length."""
+  rows of the pre-training length, in the run's agent turns (`chat`)."""
   p = cfg.pretrain
   tasks = suite_repo.generate(seed=cfg.seed + 2, per_template=p.probe_tasks, names="random")
-  loop = dataclasses.replace(cfg.agent.loop_config(cfg.rl.pipeline.max_new_tokens),
+  loop = dataclasses.replace(cfg.agent.loop_config(cfg.rl.pipeline.max_new_tokens, chat),
                              max_turns=None)
   docs = []
   for t in tasks:  # The direct plan, else another that succeeds under this loop config.
@@ -347,44 +359,52 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
     # -- 0. the tokenizer (BPE: trained on a sample of the corpus; its size sets the vocabulary)
     t0 = time.time()
     source = None  # the Hugging Face checkpoint the run starts from, if any
+    model = None
     if cfg.pretrained_model:  # Start from a saved model: no tokenizer training, no pre-training.
       model = moe_checkpoint.load_model(cfg.pretrained_model)
       tok = tokenizer_lib.for_model(cfg.pretrained_model, model.config.vocab_size)
       cfg = dataclasses.replace(cfg, model=model.config)
       echo(f"pre-trained model: {cfg.pretrained_model} ({type(tok).__name__}, "
            f"{tok.vocab_size} ids); tokenizer training and pre-training skipped")
+    elif cfg.hf_checkpoint:  # Its own tokenizer; pre-training only if configured.
+      model, tok, source = hf_checkpoint.load(cfg)
+      cfg = dataclasses.replace(cfg, model=model.config)
+      timings["import_s"] = time.time() - t0
+      echo(f"Hugging Face checkpoint: {cfg.hf_checkpoint} ({source.architecture}, "
+           f"{tok.vocab_size} token ids, EOS ids {list(source.eos_token_ids)}) in "
+           f"{time.time() - t0:.0f}s; tokenizer training skipped")
     else:
-      model = None
-      if cfg.hf_checkpoint:  # Its own tokenizer; pre-training only if configured.
-        model, tok, source = hf_checkpoint.load(cfg)
-        cfg = dataclasses.replace(cfg, model=model.config)
-        timings["import_s"] = time.time() - t0
-        echo(f"Hugging Face checkpoint: {cfg.hf_checkpoint} ({source.architecture}, "
-             f"{tok.vocab_size} token ids, EOS ids {list(source.eos_token_ids)}) in "
-             f"{time.time() - t0:.0f}s; tokenizer training skipped")
-      else:
-        tok = make_tokenizer(cfg, all_tasks, pool)
-        cfg = with_tokenizer(cfg, tok)
-        if isinstance(tok, BPETokenizer):
-          timings["tokenizer_s"] = time.time() - t0
-          echo(f"tokenizer: byte-level BPE of {tok.vocab_size} ids in {time.time() - t0:.0f}s")
-      # -- 1. continual pre-training on code -----------------------------------------------
-      if model is None or cfg.pretrain.steps:
-        t0 = time.time()
-        model = pretrain(cfg, run_dir, all_tasks, mesh, rep=rep, echo=echo, pool=pool,
-                         tokenizer=tok, init_model=model)
-        timings["pretrain_s"] = time.time() - t0
-    eos = source.eos_token_ids if source is not None else ()
+      tok = make_tokenizer(cfg, all_tasks, pool)
+      cfg = with_tokenizer(cfg, tok)
+      if isinstance(tok, BPETokenizer):
+        timings["tokenizer_s"] = time.time() - t0
+        echo(f"tokenizer: byte-level BPE of {tok.vocab_size} ids in {time.time() - t0:.0f}s")
+    # The checkpoint's EOS list (a saved model keeps its source's: _save_model), and the turns
+    # of every agent episode of the run, decided once here.
+    if source is not None:
+      eos = source.eos_token_ids
+    else:
+      eos = special_tokens.eos_token_ids(cfg.pretrained_model) if cfg.pretrained_model else ()
+    chat = agent_loop.chat_for(all_tasks, tok, eos)
+    if chat is not None:
+      echo(f"agent episodes in the model's chat template ({chat.name}), each turn ending at "
+           f"{chat.end_of_turn!r}")
+    # -- 1. continual pre-training on code -------------------------------------------------
+    if not cfg.pretrained_model and (model is None or cfg.pretrain.steps):
+      t0 = time.time()
+      model = pretrain(cfg, run_dir, all_tasks, mesh, rep=rep, echo=echo, pool=pool,
+                       tokenizer=tok, init_model=model, chat=chat)
+      timings["pretrain_s"] = time.time() - t0
     if isinstance(tok, BPETokenizer):
       tok.save(os.path.join(run_dir, "tokenizer"))
-    _save_model(model, tok, os.path.join(run_dir, "pretrained_model"))
+    _save_model(model, tok, os.path.join(run_dir, "pretrained_model"), eos)
 
     # -- 2. held-out evaluation before RL ------------------------------------------------------
     t0 = time.time()
     if evaluate:
       before, b_pass, b_total = _eval(model, heldout, cfg, pool,
                                       os.path.join(run_dir, "eval_before.jsonl"), tokenizer=tok,
-                                      eos_token_ids=eos)
+                                      eos_token_ids=eos, chat=chat)
       rep.log("eval", 0, {"pass1": b_pass / b_total, "passed": b_pass, "samples": b_total,
                           **{f"pass@{k}": v for k, v in before.pass_at_k.items()
                              if v is not None}}, advance=0)
@@ -440,7 +460,7 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
           workdir=os.path.join(run_dir, "rl"),
           config=r.pipeline, num_steps=r.steps, num_samplers=r.num_samplers,
           engine_config=_engine_config(cfg, r.sampler_slots, eos), on_step=on_step,
-          on_group=on_group, loop_config=cfg.agent.loop_config(r.pipeline.max_new_tokens),
+          on_group=on_group, loop_config=cfg.agent.loop_config(r.pipeline.max_new_tokens, chat),
           tokenizer=tok)
       rep.end_phase()
       rl_learner = result.learner
@@ -471,12 +491,12 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
     if evaluate:
       after, a_pass, a_total = _eval(rl_learner.model(), heldout, cfg, pool,
                                      os.path.join(run_dir, "eval_after.jsonl"), tokenizer=tok,
-                                     eos_token_ids=eos)
+                                     eos_token_ids=eos, chat=chat)
       rep.log("eval", max(r.steps, 1), {
           "pass1": a_pass / a_total, "passed": a_pass, "samples": a_total,
           **{f"pass@{k}": v for k, v in after.pass_at_k.items() if v is not None}}, advance=0)
       timings["eval_after_s"] = time.time() - t0
-    _save_model(rl_learner.model(), tok, os.path.join(run_dir, "final_model"))
+    _save_model(rl_learner.model(), tok, os.path.join(run_dir, "final_model"), eos)
     if source is not None:
       t0 = time.time()
       export_dir = cfg.hf_export or os.path.join(run_dir, "hf_export")

@@ -346,9 +346,11 @@ class BPETokenizer(JsonTokenizer):
     return cls(tokenizers.Tokenizer.from_file(path), id_limit=id_limit)
 
 
-def for_model(directory: Optional[str], vocab_size: int):
+def for_model(directory: Optional[str], vocab_size: Optional[int]):
   """The tokenizer of a model of `vocab_size` ids whose files are in `directory` (None: a model
-  with no directory, e.g. freshly initialised).
+  with no directory, e.g. freshly initialised). `vocab_size` None: the model's vocabulary is not
+  known yet (a part of the multi-process pipeline before the learner publishes the model's
+  config, pipeline.processes); the tokenizer's own ids are the limit then.
 
   * `directory/tokenizer.json` -> the project's `BPETokenizer` when it has the project's pad, bos
     and eos and no tokenizer_config.json beside it (a checkpoint's own names its roles there),
@@ -371,7 +373,7 @@ def for_model(directory: Optional[str], vocab_size: int):
     else:
       out = JsonTokenizer._from_files(tok, config or {}, vocab_size)  # pylint: disable=protected-access
     out.chat_template = _load_chat_template(directory, config)
-    _log.info("%s: tokenizer.json, %d ids (the model has %d)", directory, out.vocab_size,
+    _log.info("%s: tokenizer.json, %d ids (the model has %s)", directory, out.vocab_size,
               vocab_size)
     return out
   others = ([f for f in _OTHER_TOKENIZER_FILES if os.path.exists(os.path.join(directory, f))]
@@ -381,12 +383,13 @@ def for_model(directory: Optional[str], vocab_size: int):
         f"{directory} has tokenizer files {others} but no {TOKENIZER_FILE}, the one format this "
         "project reads; write one with transformers: "
         "AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)")
-  if is_byte_vocabulary(vocab_size):
+  if vocab_size is not None and is_byte_vocabulary(vocab_size):
     _log.info("%s: no tokenizer files; the model's %d ids are the byte tokenizer's (256 bytes, "
               "pad, bos, eos): byte-level", directory or "model without a directory", vocab_size)
     return ByteTokenizer()
   where = f"{directory} has no {TOKENIZER_FILE}" if directory else "the model has no directory"
+  size = "an unknown number of" if vocab_size is None else vocab_size
   raise TokenizerError(
-      f"{where}, and its vocabulary of {vocab_size} ids is not the byte tokenizer's "
+      f"{where}, and its vocabulary of {size} ids is not the byte tokenizer's "
       f"({ByteTokenizer().vocab_size}): save the model's tokenizer.json beside its weights")
 

@@ -16,10 +16,20 @@ prompts in one vocabulary for a model of another, which samples garbage without 
 the learner publishes its tokenizer's identity (`tokenizer_info`) with every version of the
 weights and a sampler (or a controller, once weights are published) refuses to start on
 another one (`TokenizerError`), as it does on a tokenizer larger than the model's vocabulary.
+
+A model started from a Hugging Face checkpoint (a Qwen3 chat model, say) ends its turns at a
+token that is not its tokenizer's EOS, and speaks its own chat template. Each part reads both
+from the same directory, as the in-process run decides them: the sampler's engine stops at the
+directory's EOS list (`eos_token_ids`: generation_config.json, which such a checkpoint and the
+model directories of a run started from one hold), and the controller writes agent episodes in
+the tokenizer's chat template (envs.harness.agent_loop.chat_for), each turn ending at the end of
+turn among those ids. The chat turns are rebuilt in the controller's process from the directory,
+never sent to it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -98,9 +108,14 @@ def parse_step_lines(text: str) -> list[dict]:
   return out
 
 
-def load_tokenizer(tokenizer_dir: Optional[str]):
+def load_tokenizer(tokenizer_dir: Optional[str], vocab_size: Optional[int] = None):
   """The tokenizer saved in `tokenizer_dir` (a directory holding tokenizer.json), or the byte
   tokenizer when `tokenizer_dir` is None.
+
+  Read as a model directory is (`moe.tokenizer.for_model`): the project's BPE, or a checkpoint's
+  tokenizer with the roles of its tokenizer_config.json and its chat template. `vocab_size`: the
+  model's ids once a part knows them (the published model config), so ids its embedding has past
+  the tokenizer's (Qwen's) decode to nothing; None: the tokenizer's own.
 
   A named directory without tokenizer.json raises TokenizerError rather than falling back to
   bytes: the caller asked for a trained tokenizer, and bytes in its
@@ -109,14 +124,22 @@ def load_tokenizer(tokenizer_dir: Optional[str]):
   from moe import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
   if tokenizer_dir is None:
     return tokenizer_lib.ByteTokenizer()
-  try:
-    return tokenizer_lib.BPETokenizer.load(tokenizer_dir)
-  except FileNotFoundError:
-    path = os.path.join(tokenizer_dir, tokenizer_lib.TOKENIZER_FILE)
+  path = os.path.join(tokenizer_dir, tokenizer_lib.TOKENIZER_FILE)
+  if not os.path.isfile(path):
     raise TokenizerError(f"no {tokenizer_lib.TOKENIZER_FILE} in the tokenizer directory "
                          f"{tokenizer_dir} (expected {path}); name the directory a model was "
-                         "saved in with its tokenizer, or leave the tokenizer out for bytes"
-                         ) from None
+                         "saved in with its tokenizer, or leave the tokenizer out for bytes")
+  return tokenizer_lib.for_model(tokenizer_dir, vocab_size)
+
+
+def eos_token_ids(tokenizer_dir: Optional[str], tok) -> tuple:
+  """The ids that end every completion of the model: the EOS list saved in `tokenizer_dir`
+  (generation_config.json's, else config.json's: `moe.hf.eos_token_ids`; a chat checkpoint's
+  names its end of turn, e.g. Qwen3's <|im_end|>, besides <|endoftext|>), else `tok`'s EOS, as
+  the in-process run takes them (experiment.hf_checkpoint.load)."""
+  from moe import hf  # pylint: disable=g-import-not-at-top
+  listed = tuple(hf.eos_token_ids(tokenizer_dir)) if tokenizer_dir else ()
+  return listed or ((tok.eos_id,) if tok.eos_id is not None else ())
 
 
 def tokenizer_info(tok) -> dict:
@@ -260,9 +283,10 @@ def run_sampler(workdir: str, *, port: int, max_slots: int = 64, max_len: int = 
   asking the learner for a snapshot) and follows from there.
 
   `tokenizer_dir`: the model's tokenizer (`load_tokenizer`; None: bytes), the engine's for stop
-  strings and text prompts, its eos id the engine's end of sequence. It is checked before
-  serving against the model config and tokenizer the published manifest names
-  (`check_tokenizer`): a mismatch raises TokenizerError naming both.
+  strings and text prompts; the directory's EOS list (`eos_token_ids`; else the tokenizer's
+  EOS) ends every completion. It is checked before serving against the model config and
+  tokenizer the published manifest names (`check_tokenizer`): a mismatch raises TokenizerError
+  naming both.
 
   `/health` answers 503 (naming the problem) when the weight-sync thread died or the served
   weights have been more than `stale_versions` behind the published ones for over `stale_s`
@@ -275,9 +299,10 @@ def run_sampler(workdir: str, *, port: int, max_slots: int = 64, max_len: int = 
   store, sub = wait_for_weights(paths(workdir)["weights"], name=f"sampler-{port}")
   cfg, info = _model_config_of(store, sub.version)
   check_tokenizer(tok, cfg, info.get("tokenizer"), part="sampler", tokenizer_dir=tokenizer_dir)
+  tok = load_tokenizer(tokenizer_dir, cfg.vocab_size)  # now with the model's ids
   engine = Engine.from_flat(sub.weights, cfg, version=sub.version, tokenizer=tok,
                             config=EngineConfig(max_slots=max_slots, max_len=max_len,
-                                                eos_token_ids=(tok.eos_id,)))
+                                                eos_token_ids=eos_token_ids(tokenizer_dir, tok)))
   sub.apply_fn = swap_into(engine)
   stop = threading.Event()
   threading.Thread(target=sub.run, args=(stop, sync_interval_s), daemon=True,
@@ -310,7 +335,10 @@ def run_controller(workdir: str, sampler_urls: Sequence[str], config: PipelineCo
 
   `tasks`: the train tasks (default: the single-turn suite's train split, its first `num_tasks`);
   multi-turn repository tasks run as agent episodes with `loop_config`
-  (envs.harness.agent_loop.LoopConfig), exactly as in the in-process pipeline.
+  (envs.harness.agent_loop.LoopConfig), exactly as in the in-process pipeline: unless it names
+  its `chat`, in the turns of the tokenizer's chat template when it has one, rebuilt here from
+  `tokenizer_dir` (envs.harness.agent_loop.chat_for, its turns ending at the directory's EOS
+  list's end of turn: `eos_token_ids`).
 
   `tokenizer_dir`: the model's tokenizer (`load_tokenizer`; None: bytes), which encodes the
   prompts and observations sent to the samplers (their HTTP clients and the rollout
@@ -340,9 +368,14 @@ def run_controller(workdir: str, sampler_urls: Sequence[str], config: PipelineCo
     cfg, info = _model_config_of(store, latest)
     check_tokenizer(tok, cfg, info.get("tokenizer"), part="controller",
                     tokenizer_dir=tokenizer_dir)
+    tok = load_tokenizer(tokenizer_dir, cfg.vocab_size)  # now with the model's ids
   if tasks is None:
     tasks = suite_pyfunc.split(suite_pyfunc.generate(), "train")
   tasks = list(tasks)[:num_tasks]
+  loop = loop_config or agent_loop.LoopConfig()
+  if loop.chat is None:
+    loop = dataclasses.replace(loop, chat=agent_loop.chat_for(
+        tasks, tok, eos_token_ids(tokenizer_dir, tok)))
   os.makedirs(p["trajectories"], exist_ok=True)
   written = []
   for name in trajectory_io.list_shards(p["trajectories"]):
@@ -361,7 +394,7 @@ def run_controller(workdir: str, sampler_urls: Sequence[str], config: PipelineCo
   try:
     ctl = controller_lib.RolloutController(
         tasks, sampler_set, pool, group_sink(writer), config=config,
-        sink_path=p["trajectories"], loop_config=loop_config or agent_loop.LoopConfig(),
+        sink_path=p["trajectories"], loop_config=loop,
         tokenizer=tok,
         on_group=lambda g: print(f"group {g.index} {g.task_id} rewards {g.rewards}", flush=True))
     start = ctl.resume(written)

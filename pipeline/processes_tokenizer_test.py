@@ -6,19 +6,30 @@ its vocabulary, as the agentic experiment saves its pre-trained model. The learn
 its init checkpoint and publishes its identity with the weights; the sampler's engine encodes and
 stops with it; a tokenizer larger than the model, a named directory without tokenizer.json, and
 a part started on another tokenizer than the learner's are refused with the sizes and paths.
+
+A chat model's directory (a checkpoint's tokenizer saved by transformers with its chat template,
+and generation_config.json naming <|im_end|> before <|endoftext|>, as a run from a Hugging Face
+checkpoint keeps them beside its models): the sampler stops at that EOS list, and the controller
+rebuilds the agent loop's turns in the chat template from the directory, in its own process.
 """
 
+import dataclasses
 import os
 import sys
 
 import pytest
+import transformers
 
 from envs.harness import agent_loop
 from envs.harness import toolcall
+from envs.harness import turn_format
+from envs.tasks import suite_pyfunc
 from envs.tasks import suite_repo
 from moe import build
 from moe import checkpoint as moe_checkpoint
-from moe.tokenizer import BPETokenizer, ByteTokenizer
+from moe.hf import testutil
+from moe.tokenizer import BPETokenizer, ByteTokenizer, JsonTokenizer
+from pipeline import controller as controller_lib
 from pipeline import processes
 from pipeline import testing
 from rollout import server as server_lib
@@ -165,6 +176,87 @@ def test_a_named_directory_without_tokenizer_json_is_refused(tmp_path, served):
   with pytest.raises(processes.TokenizerError, match=msg):
     _learn(work, tokenizer_dir=empty)
   assert not served and not os.path.exists(work)
+
+
+@pytest.fixture(scope="module")
+def chat_work(tmp_path_factory):
+  """(workdir, model directory, transformers' tokenizer, EOS list): a tiny model of a chat
+  checkpoint's vocabulary (its ids padded past the tokenizer's, as Qwen's) with the checkpoint's
+  tokenizer files and EOS list beside it; the learner started from it."""
+  root = tmp_path_factory.mktemp("chat")
+  ref = testutil.bpe_tokenizer()
+  model = _model_dir(root / "model", len(ref) + 16)
+  ref.save_pretrained(model)
+  eos = [ref.convert_tokens_to_ids("<|im_end|>"), ref.eos_token_id]
+  transformers.GenerationConfig(eos_token_id=eos).save_pretrained(model)
+  work = str(root / "work")
+  _learn(work, init_checkpoint=model)
+  return work, model, ref, tuple(eos)
+
+
+def test_the_sampler_stops_at_the_directorys_eos_list(chat_work, served):
+  work, model, ref, eos = chat_work
+  assert _published(work)["tokenizer"]["kind"] == "JsonTokenizer"
+  processes.run_sampler(work, port=0, max_slots=2, max_len=128, tokenizer_dir=model)
+  (engine,) = served
+  assert engine.config.eos_token_ids == eos != (ref.eos_token_id,)
+  tok = engine.tokenizer
+  assert isinstance(tok, JsonTokenizer) and tok.bos_id is None and tok.chat_template is not None
+  assert tok.encode(TEXT) == ref.encode(TEXT, add_special_tokens=False)
+  # An id the model has past the tokenizer's decodes to nothing, as in the in-process run.
+  assert tok.decode([engine.model_config.vocab_size - 1]) == ""
+
+
+@pytest.fixture
+def controllers(monkeypatch):
+  """The settings each run_controller would build its RolloutController with (not run)."""
+  made = []
+
+  class Recorded:
+    def __init__(self, tasks, samplers, pool, sink, **kw):
+      made.append(dict(kw, tasks=tasks))
+
+    def resume(self, written):
+      return 0
+
+    def run(self, steps):
+      return 0
+
+    def summary(self):
+      return {}
+
+  monkeypatch.setattr(controller_lib, "RolloutController", Recorded)
+  return made
+
+
+def test_the_controller_rebuilds_the_chat_turns_from_the_directory(chat_work, bpe_work,
+                                                                    controllers):
+  """Repository tasks: the loop's settings as given, its turns the directory's chat template,
+  ending at its <|im_end|>. Single-turn tasks, or the project's BPE: the project's template."""
+  work, model, ref, eos = chat_work
+  repo = suite_repo.split(suite_repo.generate(), "train")[:2]
+  loop = agent_loop.LoopConfig(max_turns=3, tools=suite_repo.TOOLS)
+  processes.run_controller(work, ["http://127.0.0.1:1"], testing.config(), steps=1,
+                           pool_size=1, tasks=repo, loop_config=loop, tokenizer_dir=model)
+  (made,) = controllers
+  chat = made["loop_config"].chat
+  assert isinstance(chat, turn_format.ChatTurns) and chat.end_of_turn == "<|im_end|>"
+  assert chat.name == os.path.join(model, "chat_template.jinja")
+  assert made["loop_config"] == dataclasses.replace(loop, chat=chat)
+  assert made["tokenizer"].decode([eos[0]], skip_special=False) == "<|im_end|>"
+  messages = [{"role": "system", "content": toolcall.system_prompt(suite_repo.TOOLS)},
+              {"role": "user", "content": repo[0].instructions}]
+  assert agent_loop.initial_prompt(repo[0].instructions, made["loop_config"]) == (
+      ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+  # Single-turn tasks run no agent loop; the project's model has no chat template.
+  single = suite_pyfunc.split(suite_pyfunc.generate(), "train")[:2]
+  processes.run_controller(work, ["http://127.0.0.1:1"], testing.config(), steps=1,
+                           pool_size=1, tasks=single, loop_config=loop, tokenizer_dir=model)
+  bpe_dir = bpe_work
+  processes.run_controller(bpe_dir[0], ["http://127.0.0.1:1"], testing.config(), steps=1,
+                           pool_size=1, tasks=repo, loop_config=loop, tokenizer_dir=bpe_dir[1])
+  assert [m["loop_config"] for m in controllers[1:]] == [loop, loop]
+  assert controllers[2]["loop_config"].turns is turn_format.PROJECT
 
 
 if __name__ == "__main__":

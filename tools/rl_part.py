@@ -16,7 +16,10 @@ part names it (all three the same; rl_part refuses to start on a mismatch):
 
 `--tokenizer=DIR`: a directory holding tokenizer.json (a model directory); it must be there.
 Without the flag the learner takes the one saved beside `--init_checkpoint` (bytes if there is
-none) and the sampler and controller take bytes.
+none) and the sampler and controller take bytes. A model a `--hf_checkpoint` run trained (its
+RUN/pretrained_model, or the Hugging Face checkpoint itself) keeps its chat template and EOS
+list there too: the sampler stops at every id of the list and the controller writes agent
+episodes in the chat template, as the in-process run does (pipeline/processes.py).
 
 Pipeline settings (shared by learner and controller) come from gin: `--gin_file` (default
 tools/configs/experiments/default.gin, whose model and PipelineConfig are used) and `--gin.X=V`.

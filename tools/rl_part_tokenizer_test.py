@@ -2,7 +2,8 @@
 tokenizer saved beside `--init_checkpoint` by default and publishes it with the weights, the
 sampler serves with the one named, and a tokenizer that cannot serve the model (none at the
 named path, more ids than the model, not the learner's) stops the part with exit status 2 and
-`error: ...` naming it, no traceback. The checks themselves are
+`error: ...` naming it, no traceback. A chat model's directory (a checkpoint's tokenizer and its
+EOS list, <|im_end|> among them) makes the sampler stop at that list. The checks themselves are
 pipeline/processes_tokenizer_test.py's.
 """
 
@@ -10,11 +11,13 @@ import os
 import sys
 
 import pytest
+import transformers
 
 from envs.harness import toolcall
 from envs.tasks import suite_repo
 from moe import build
 from moe import checkpoint as moe_checkpoint
+from moe.hf import testutil
 from moe.tokenizer import BPETokenizer
 from pipeline import processes
 from pipeline import testing
@@ -75,6 +78,26 @@ def test_every_part_speaks_the_init_checkpoints_tokenizer(tmp_path, bpe, model, 
                           "BPETokenizer of 300 ids (vocabulary digest "), err
     assert "is ByteTokenizer of 259 ids" in err and "Traceback" not in err
   assert len(served) == 1
+
+
+def test_a_chat_models_sampler_stops_at_its_eos_list(tmp_path, served):
+  """The model directory of a run from a Hugging Face chat checkpoint (its tokenizer files and
+  generation_config.json beside the weights): every part takes it with --tokenizer, and the
+  sampler ends completions at <|im_end|> as well as <|endoftext|>."""
+  ref = testutil.bpe_tokenizer()
+  model = str(tmp_path / "model")
+  moe_checkpoint.save_params(
+      build.create(testing.MODEL.replace(vocab_size=len(ref) + 16), seed=0), model)
+  ref.save_pretrained(model)
+  eos = [ref.convert_tokens_to_ids("<|im_end|>"), ref.eos_token_id]
+  transformers.GenerationConfig(eos_token_id=eos).save_pretrained(model)
+  work = str(tmp_path / "work")
+  assert rl_part.main(["learner", f"--workdir={work}", "--steps=0",
+                       f"--init_checkpoint={model}"]) == 0
+  assert rl_part.main(["sampler", f"--workdir={work}", "--port=1", f"--tokenizer={model}"]) == 0
+  (engine,) = served
+  assert engine.config.eos_token_ids == tuple(eos)
+  assert engine.tokenizer.chat_template is not None
 
 
 def test_a_tokenizer_larger_than_the_model_exits_2(tmp_path, model, served, capsys):
