@@ -79,6 +79,9 @@ def live(ckpts):
   engine = loading.load_engine(EngineConfig(max_slots=4, max_len=64, decode_steps=4,
                                             max_queue=16),
                                hf_checkpoint=ckpts[0], max_seq_len=64)
+  # Every shape compiled first, as //tools:serve does at start-up: a fuzzed request's first
+  # top-logprobs call must not wait out the 30 s request timeout compiling on a loaded machine.
+  engine.warm_up(threads=2)
   srv = testing.LiveServer(engine, admin=True, model_name="tiny", request_timeout=30.0,
                            admin_token=TOKEN, checkpoint_root=os.path.dirname(ckpts[0]),
                            load_flat=lambda p: loading.load_flat(p, engine.model_config))
