@@ -103,8 +103,8 @@ def load_engine(engine_config, *, hf_checkpoint: Optional[str] = None,
 
   Args:
     engine_config: the engine's settings (rollout.engine.EngineConfig). Without eos_token_ids,
-      every EOS id of the Hugging Face checkpoint (generation_config.json's list, else
-      config.json's `eos_token_id`), else the tokenizer's end of sequence, ends a completion
+      every EOS id of the checkpoint (generation_config.json's list, else a Hugging Face
+      checkpoint's config.json `eos_token_id`), else the tokenizer's end of sequence, ends a completion
       (ids outside the vocabulary dropped).
     hf_checkpoint / checkpoint / config / seed / max_seq_len: as `load_model`.
 
@@ -116,7 +116,10 @@ def load_engine(engine_config, *, hf_checkpoint: Optional[str] = None,
   model = load_model(hf_checkpoint=hf_checkpoint, checkpoint=checkpoint, config=config,
                      seed=seed, max_seq_len=max_seq_len)
   tok = load_tokenizer(hf_checkpoint or checkpoint, model.config.vocab_size)
-  eos = _eos_from_hf(hf_checkpoint) if hf_checkpoint else ()
+  # A project checkpoint saved by a run from a Hugging Face checkpoint keeps that checkpoint's
+  # EOS list in a generation_config.json beside its weights (experiment.run): read it too.
+  directory = hf_checkpoint or checkpoint
+  eos = _eos_from_hf(directory) if directory else ()
   if not eos and tok is not None and tok.eos_id is not None:
     eos = (tok.eos_id,)
   if eos and not engine_config.eos_token_ids:

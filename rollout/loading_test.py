@@ -110,6 +110,18 @@ def test_generation_stops_at_every_eos_id_of_the_checkpoint(tmp_path):
   finally:
     engine.stop()
 
+  # A project checkpoint (a run's final_model) with the same generation_config.json beside it.
+  proj = tmp_path / "proj"
+  checkpoint.save_params(model, str(proj))
+  (proj / "generation_config.json").write_text((hfd / "generation_config.json").read_text())
+  engine = loading.load_engine(ec, checkpoint=str(proj))
+  try:
+    assert engine.config.eos_token_ids == (first, second)
+    c = engine.generate(prompt, max_tokens=8, temperature=0.0)[0]
+    assert c.token_ids == [second] and c.finish_reason == "stop"
+  finally:
+    engine.stop()
+
   (hfd / "generation_config.json").unlink()  # no generation config: config.json's one id
   engine = loading.load_engine(ec, hf_checkpoint=str(hfd))
   try:
