@@ -62,7 +62,7 @@ from rollout import warmup
 from rollout import weight_checks
 from rollout.engine_types import (Completion, EngineConfig, EngineStopped, PreparedWeights,
                                   QueueFull, RequestHandle, Sample)
-from rollout.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from rollout.sampling import SamplingParams
 
 __all__ = ["Completion", "Engine", "EngineConfig", "EngineStopped", "PreparedWeights",
            "QueueFull", "RequestHandle", "SamplingParams"]
@@ -92,9 +92,13 @@ class Engine:
     for name, v in (("max_slots", ec.max_slots), ("decode_steps", ec.decode_steps),
                     ("prefill_rows", ec.prefill_rows), ("max_len", max_len),
                     ("length_bucket", ec.length_bucket), ("max_queue", ec.max_queue),
-                    ("prefix_block_size", ec.prefix_block_size)):
+                    ("prefix_block_size", ec.prefix_block_size),
+                    ("prefill_tokens", ec.prefill_tokens)):
       if v < 1:
         raise ValueError(f"EngineConfig.{name} must be >= 1, got {v}")
+    if ec.shape_buckets not in scheduler.SHAPE_BUCKETS:
+      raise ValueError(f"EngineConfig.shape_buckets must be one of {scheduler.SHAPE_BUCKETS}, "
+                       f"got {ec.shape_buckets!r}")
     blocks = ec.prefix_cache_blocks
     if blocks is None:
       blocks = ec.max_slots * max_len // ec.prefix_block_size
@@ -349,6 +353,11 @@ class Engine:
     """
     return self._delta_swapper.swap(blob, version)
 
+  def programs(self) -> list:
+    """The device programs (`warmup.Program`s) a request can make this engine run, smallest
+    first: what `warm_up` compiles."""
+    return warmup.programs(self.config, self.max_len, self._sched, self._prefix)
+
   def warm_up(self, progress: Optional[Callable[[int, int, str], None]] = None, *,
               threads: int = 1, stop: Optional[threading.Event] = None) -> dict:
     """Compiles every device program a request can make this engine run (`rollout.warmup`),
@@ -362,7 +371,7 @@ class Engine:
     Safe beside serving: it compiles from shapes alone, so the KV cache, the prefix cache, the
     random streams and the counters stay as they were. Returns `warmup.compile_all`'s counts.
     """
-    progs = warmup.programs(self.config, self.max_len, self._sched, self._prefix)
+    progs = self.programs()
     pr = self._prefix
     args = warmup.Arguments.of(self._params, self._ck, self._cv, self._slots,
                                pr.store_k if pr else None, pr.store_v if pr else None)
@@ -592,15 +601,14 @@ class Engine:
   def _prefill_call(self, staged: list, length: int) -> tuple:
     """One prefill device call for `staged` requests; its outputs on the host."""
     ec, cfg = self.config, self.model_config
-    rows = self._sched.prefill_rows(len(staged))
+    rows = self._sched.prefill_rows(len(staged), length)
     a = slot_tables.prefill_arrays(staged, rows, length, ec.max_slots)
     caps = forward.capacity_tiers(rows * length, cfg, ec.capacity_factors, ec.deterministic)
-    top_n = MAX_TOP_LOGPROBS if any(h.params.logprobs for h, _, _ in staged) else 0
+    top_n = self._sched.top_n(any(h.params.logprobs for h, _, _ in staged))
     t0 = time.perf_counter()
     pr = self._prefix
-    # Deterministic mode always extends (from an empty prefix if need be), so a request's
-    # arithmetic never depends on whether the others in its call hit the cache.
-    if pr is not None and (ec.deterministic or any(v["start"] for _, _, v in staged)):
+    if pr is not None and (prefix_reuse.always_extends(ec)
+                           or any(v["start"] for _, _, v in staged)):
       table = np.zeros((rows, pr.table_width(max(len(v["blocks"]) for _, _, v in staged))),
                        np.int32)
       start = np.zeros(rows, np.int32)
@@ -673,7 +681,7 @@ class Engine:
     owned = self._sched.owned_slots()
     nb, sv = self._sched.decode_shape(owned, st["pos"])
     caps = forward.capacity_tiers(nb, cfg, ec.capacity_factors, ec.deterministic)
-    top_n = MAX_TOP_LOGPROBS if any(owner[i][0].params.logprobs for i in owned) else 0
+    top_n = self._sched.top_n(any(owner[i][0].params.logprobs for i in owned))
     version = self.version
     if self._prefix is not None:  # the call writes every slot: copy queued blocks out first
       self._prefix.flush(self._ck, self._cv)

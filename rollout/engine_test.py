@@ -91,6 +91,28 @@ def test_deterministic_mode_is_batch_invariant(det_engine):
   np.testing.assert_array_equal(got.routing, alone.routing)
 
 
+def test_deterministic_outputs_do_not_depend_on_shape_buckets(model):
+  """Deterministic shapes are fixed either way; "coarse" only has every call return top
+  logprobs (one program where "fine" has two). Tokens, logprobs, routing and alternatives are
+  bit-identical, for requests with and without alternatives, alone and side by side."""
+  out = {}
+  for buckets in ("coarse", "fine"):
+    eng = Engine(model, config=EngineConfig(max_slots=4, max_len=64, decode_steps=4,
+                                            deterministic=True, prefill_rows=2,
+                                            shape_buckets=buckets))
+    try:
+      plain = SamplingParams(max_tokens=9, temperature=1.0, seed=4)
+      alts = SamplingParams(max_tokens=7, temperature=0.0, logprobs=3)
+      alone = [eng.submit(PROMPTS[0], plain).result(120), eng.submit(PROMPTS[1], alts).result(120)]
+      hs = [eng.submit(p, sp) for p, sp in ((PROMPTS[2], plain), (PROMPTS[3], alts))]
+      out[buckets] = [(c.token_ids, c.logprobs, c.routing.tolist(), c.top_logprobs)
+                      for r in alone + [h.result(120) for h in hs] for c in r]
+    finally:
+      eng.stop()
+  assert out["coarse"] == out["fine"]
+  assert out["fine"][1][3] and out["fine"][0][3] is None  # alternatives only where asked
+
+
 def test_stop_token_and_stop_string(engine):
   ref = engine.generate(PROMPTS[0], max_tokens=12, temperature=0.0)[0]
   stop_tok = ref.token_ids[4]
@@ -242,6 +264,13 @@ def test_bad_requests_raise_clear_errors(engine):
 def _perturbed(flat, seed):
   rng = np.random.default_rng(seed)
   return {k: (v + rng.normal(scale=0.05, size=v.shape)).astype(v.dtype) for k, v in flat.items()}
+
+
+def test_bad_shape_settings_are_refused(model):
+  with pytest.raises(ValueError, match="shape_buckets must be one of"):
+    Engine(model, config=EngineConfig(shape_buckets="pow2"), start=False)
+  with pytest.raises(ValueError, match="prefill_tokens must be >= 1"):
+    Engine(model, config=EngineConfig(prefill_tokens=0), start=False)
 
 
 def test_swap_mid_request_records_versions_and_keeps_kv(model):
@@ -440,7 +469,7 @@ def _batch_beside_a_running_request(engine, submit_batch):
 
 
 def test_a_request_failing_in_staging_or_prefill_fails_alone(engine, monkeypatch):
-  from rollout import device_programs
+  from rollout import device_programs, prefix_programs
   ref_running = engine.generate(PROMPTS[0], max_tokens=16, temperature=0.0)[0]
   ref_good = engine.generate(PROMPTS[1], max_tokens=6, temperature=0.0)[0]
   greedy = SamplingParams(max_tokens=6, temperature=0.0)
@@ -459,16 +488,21 @@ def test_a_request_failing_in_staging_or_prefill_fails_alone(engine, monkeypatch
   assert engine.stats["prefill_calls_total"] == calls_before + 2  # R, then good alone
 
   # 2. The prefill call fails for a batch of two: each is retried alone, and only the prompt
-  # that makes the call fail fails.
-  real = device_programs.prefill_into_slots
+  # that makes the call fail fails. (With the prefix cache on and "coarse" shapes, prefills
+  # are extend calls: both programs fail for the culprit.)
   culprit_prompt = [251, 9, 9, 9]
 
-  def failing_for_culprit(params, ck, cv, tokens, *a, **kw):
-    if (np.asarray(tokens)[:, 0] == culprit_prompt[0]).any():
-      raise RuntimeError("injected prefill failure")
-    return real(params, ck, cv, tokens, *a, **kw)
+  def failing_for_culprit(module, name, tokens_arg):
+    real = getattr(module, name)
 
-  monkeypatch.setattr(device_programs, "prefill_into_slots", failing_for_culprit)
+    def call(*a, **kw):
+      if (np.asarray(a[tokens_arg])[:, 0] == culprit_prompt[0]).any():
+        raise RuntimeError("injected prefill failure")
+      return real(*a, **kw)
+    monkeypatch.setattr(module, name, call)
+
+  failing_for_culprit(device_programs, "prefill_into_slots", 3)
+  failing_for_culprit(prefix_programs, "extend_into_slots", 7)
   running, handles = _batch_beside_a_running_request(
       engine, lambda: engine.submit_batch([culprit_prompt, PROMPTS[1]], greedy))
   with pytest.raises(RuntimeError, match="injected prefill failure"):

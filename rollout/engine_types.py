@@ -41,7 +41,7 @@ class EngineConfig:
     prefill_rows: most prompts prefilled per device call (deterministic mode always uses this
       many rows, padding the rest).
     min_prefill_len: smallest prompt length bucket (buckets double up to max_len).
-    length_bucket: granularity of the attended cache prefix in decode.
+    length_bucket: granularity of the attended cache prefix in decode (its smallest bucket).
     capacity_factors: expert capacity tiers as multiples of the even share; a dropless tier is
       always added (see rollout.forward).
     dtype: compute dtype of the sampler ("float32" is fastest on the CPU); None keeps the model's.
@@ -57,6 +57,24 @@ class EngineConfig:
       KV memory doubles); 0 is off. On by default: it costs single-turn work nothing measurable
       (BENCHMARKS.md, "Prefix caching in the sampler").
     prefix_block_size: tokens per cached block (only whole blocks are cached).
+    shape_buckets: how finely the static shapes of the device programs follow a call's work
+      (`rollout.scheduler`). Each shape is compiled once, and `//tools:serve` compiles every
+      reachable one before it is ready (`rollout.warmup`), so the size of the set is the
+      server's start-up time on a cold compilation cache.
+      "coarse" (the default): decode attends over `length_bucket` x a power of two positions;
+      a prefill call has a fixed number of rows per prompt bucket (`prefill_tokens`); with a
+      prefix cache every prefill is an extend (from an empty prefix when nothing is cached)
+      whose block table is a power of four wide; every call returns the top logprobs.
+      "fine": decode attends over a multiple of `length_bucket` positions; a prefill call has
+      the power of two rows covering its prompts; block tables are a power of two wide; a
+      prefill without a cached prefix has programs of its own; top logprobs only in calls
+      with a request that asked for them.
+      tiny.gin at serve.gin's settings: 60 programs "coarse", 449 "fine"; what the padding
+      costs in decode tokens/s: BENCHMARKS.md, "Shape buckets". Deterministic mode's shapes
+      are fixed either way ("coarse" shares the top-logprobs program, outputs unchanged).
+    prefill_tokens: "coarse" prefill calls of prompt bucket L have min(prefill_rows,
+      max(1, prefill_tokens // L)) rows, padded when fewer prompts wait: short prompts share a
+      call, a long one fills one alone, and the rows are not a shape dimension of their own.
   """
   max_slots: int = 64
   max_len: Optional[int] = None
@@ -73,6 +91,8 @@ class EngineConfig:
   idle_wait_s: float = 0.05
   prefix_cache_blocks: Optional[int] = None
   prefix_block_size: int = 16
+  shape_buckets: str = "coarse"
+  prefill_tokens: int = 512
 
 
 @dataclasses.dataclass

@@ -43,6 +43,14 @@ log = logging.getLogger(__name__)
 MIN_COPY_BATCH = 8
 
 
+def always_extends(config: EngineConfig) -> bool:
+  """Whether every prefill is an extend call, from an empty prefix when nothing is cached:
+  deterministic mode (a row's arithmetic must not depend on whether the others hit the cache)
+  and "coarse" shapes (the plain prefill's programs are not compiled too). Otherwise a call
+  extends only when one of its prompts has a cached prefix."""
+  return config.deterministic or config.shape_buckets == scheduler_lib.COARSE
+
+
 def copy_batch(pending: int) -> int:
   """Entries of the copy call for `pending` queued block copies (padding is dropped)."""
   return scheduler_lib.pow2_at_least(pending, MIN_COPY_BATCH)
@@ -88,11 +96,13 @@ class PrefixReuse:
 
   def table_width(self, blocks: int) -> int:
     """Block-table columns of an extend call whose longest cached prefix has `blocks` blocks:
-    a power of two (so few shapes compile), or all a cached prefix can use when deterministic
-    (so a row's arithmetic never depends on the other rows')."""
+    a power of four ("coarse" shapes) or of two ("fine"), so few shapes compile, or all a
+    cached prefix can use when deterministic (so a row's arithmetic never depends on the other
+    rows')."""
     if self.config.deterministic:
       return self.max_blocks
-    return min(scheduler_lib.pow2_at_least(max(blocks, 1)), self.max_blocks)
+    ratio = 2 if self.config.shape_buckets == scheduler_lib.FINE else 4
+    return min(scheduler_lib.geometric_at_least(max(blocks, 1), 1, ratio), self.max_blocks)
 
   # ------------------------------------------------------------------ inserting
   def insert_prompt(self, h: RequestHandle, slot: int, routing: Optional[np.ndarray]) -> None:

@@ -9,13 +9,26 @@ engine thread (`rollout.engine`) makes the device calls and hands tokens back.
   * `owner[slot]` is the (request, sample) generating in that slot, or None. A request's n
     completions take n slots at once: they share one prefill.
   * Admission (`take_prefill_batch`) moves queued requests into the free slots, lowest first,
-    for one prefill call: prompts of one length bucket, up to `prefill_rows`, taken round-robin
-    across submissions (below).
+    for one prefill call: prompts of one length bucket, up to `max_prompts` of it, taken
+    round-robin across submissions (below).
   * Expiry (`expired_queued`, `expired_slots`): requests cancelled or past their deadline.
-  * Buckets: prompt length (`prompt_bucket`), prefill rows (`prefill_rows`) and a decode call's
-    batch and attended length (`decode_shape`) are powers of two or multiples of
-    `length_bucket`, so a running server compiles a fixed, small set of shapes. Deterministic
-    mode fixes every shape, so a row's arithmetic never depends on what else is served.
+  * Buckets: prompt length (`prompt_bucket`), prefill rows (`prefill_rows`, at most
+    `max_prompts` per call), a decode call's batch and attended length (`decode_shape`) and
+    whether calls return top logprobs (`top_n`) take few values, so a server compiles a
+    fixed, small set of programs (`rollout.warmup` lists them). Deterministic mode fixes every
+    shape, so a row's arithmetic never depends on what else is served.
+
+Why `EngineConfig.shape_buckets` "coarse" by default: every shape is a compilation (seconds on
+a CPU) that a server runs before it is ready, and the count is a product of the dimensions
+(batch x attended length for decode; rows x prompt bucket x block-table width for prefills), so
+the set is kept small where padding is cheap: a decode call's attended length is `length_bucket`
+x a power of two (attention is one part of a step, and the batch, which the load sets, keeps
+its powers of two), a prefill's rows are fixed per prompt bucket (`prefill_tokens`), block
+tables are a power of four wide and every prefill is an extend when the prefix cache is on
+(`rollout.prefix_reuse`), and the top-logprobs variant of every program is the only one (a
+top-k over the vocabulary per sampled token). "fine" keeps the finer shapes of before, for
+comparison and for a server that is started once and runs long (BENCHMARKS.md, "Shape
+buckets").
 
 Why round-robin across submissions: the unit of fairness is a submission, not a prompt. Taken in
 arrival order, one submission of 4,000 prompts held every slot until all of them had run, and a
@@ -43,14 +56,24 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from rollout.engine_types import EngineConfig, QueueFull, RequestHandle, Sample
+from rollout.sampling import MAX_TOP_LOGPROBS
+
+
+COARSE, FINE = "coarse", "fine"
+SHAPE_BUCKETS = (COARSE, FINE)
+
+
+def geometric_at_least(x: int, lo: int = 1, ratio: int = 2) -> int:
+  """The smallest lo * ratio**i >= x."""
+  b = lo
+  while b < x:
+    b *= ratio
+  return b
 
 
 def pow2_at_least(x: int, lo: int = 1) -> int:
   """The smallest lo * 2**i >= x."""
-  b = lo
-  while b < x:
-    b *= 2
-  return b
+  return geometric_at_least(x, lo, 2)
 
 
 def end_reason(h: RequestHandle, now: float) -> Optional[str]:
@@ -168,10 +191,11 @@ class Scheduler:
 
     Round-robin over the waiting submissions in turn order: each pass takes the head of every
     submission whose prompt is in the call's length bucket (the first one taken sets it) and
-    whose n completions all get a free slot (lowest first); passes repeat until `prefill_rows`
-    prompts are taken or a pass takes none. If the submission whose turn it is does not fit, the
-    call takes nothing (see the module docstring). Submissions taken from move to the back of the
-    turn order, in the order last taken; the others keep their places ahead of them.
+    whose n completions all get a free slot (lowest first); passes repeat until `max_prompts`
+    of the bucket are taken or a pass takes none. If the submission whose turn it is does not
+    fit, the call takes nothing (see the module docstring). Submissions taken from move to the
+    back of the turn order, in the order last taken; the others keep their places ahead of
+    them.
 
     With a `planner` (prefix caching), the bucket is that of the tokens left to prefill after
     the cached prefix, and a request whose first uncached block is also the first uncached
@@ -191,10 +215,11 @@ class Scheduler:
       last_taken = {}  # id(group) -> when it was last taken from
       computing = set()  # first uncached prefix blocks of the requests taken
       took = True
-      while took and len(batch) < ec.prefill_rows:
+      cap = ec.prefill_rows  # then max_prompts of the call's bucket, once the first is taken
+      while took and len(batch) < cap:
         took = False
         for g in order:
-          if not g or len(batch) >= ec.prefill_rows:
+          if not g or len(batch) >= cap:
             continue
           h = g[0]
           todo, key = self.planner(h) if self.planner else (len(h.prompt), None)
@@ -212,6 +237,7 @@ class Scheduler:
           g.popleft()
           self.queued_completions -= h.params.n
           bucket = lb
+          cap = self.max_prompts(lb)
           batch.append((h, free[used:used + h.params.n]))
           used += h.params.n
           last_taken[id(g)] = len(batch)
@@ -225,23 +251,47 @@ class Scheduler:
     """Padded prompt length for an n-token prompt: a power of two from min_prefill_len."""
     return min(pow2_at_least(n, self.config.min_prefill_len), self.max_len)
 
-  def prefill_rows(self, prompts: int) -> int:
-    """Rows of a prefill call for `prompts` prompts (always `prefill_rows` when deterministic)."""
+  def max_prompts(self, length: int) -> int:
+    """Most prompts of one prefill call in prompt bucket `length`: `prefill_rows`, or with
+    "coarse" shapes (not deterministic) as many as `prefill_tokens` positions hold (at least 1)."""
     ec = self.config
-    rows = ec.prefill_rows if ec.deterministic else pow2_at_least(prompts)
+    if ec.deterministic or ec.shape_buckets == FINE:
+      return ec.prefill_rows
+    return min(ec.prefill_rows, max(1, ec.prefill_tokens // length))
+
+  def prefill_rows(self, prompts: int, length: int) -> int:
+    """Rows of a prefill call for `prompts` prompts of bucket `length`: `prefill_rows` when
+    deterministic, `max_prompts(length)` with "coarse" shapes, else the power of two covering
+    them."""
+    ec = self.config
+    if ec.deterministic:
+      rows = ec.prefill_rows
+    elif ec.shape_buckets == FINE:
+      rows = pow2_at_least(prompts)
+    else:
+      rows = self.max_prompts(length)
     return max(rows, prompts)
 
   def decode_shape(self, owned: Sequence[int], pos: np.ndarray) -> tuple:
     """(batch rows, attended cache length) of a decode call over the `owned` slots.
 
     The batch is the power of two covering the highest owned slot; the length covers the
-    furthest position plus `decode_steps`, rounded up to `length_bucket`. Deterministic mode
-    always uses every slot and the whole cache.
+    furthest position plus `decode_steps`, rounded up to `length_bucket` x a power of two
+    ("coarse") or to a multiple of `length_bucket` ("fine"), at most the cache. Deterministic
+    mode always uses every slot and the whole cache.
     """
     ec = self.config
     if ec.deterministic:
       return ec.max_slots, self.max_len
     nb = min(pow2_at_least(max(owned) + 1), ec.max_slots)
     need = int(pos[owned].max()) + ec.decode_steps
-    sv = min(-(-need // ec.length_bucket) * ec.length_bucket, self.max_len)
-    return nb, sv
+    if ec.shape_buckets == FINE:
+      sv = -(-need // ec.length_bucket) * ec.length_bucket
+    else:
+      sv = pow2_at_least(need, ec.length_bucket)
+    return nb, min(sv, self.max_len)
+
+  def top_n(self, wanted: bool) -> int:
+    """Top logprobs a device call returns per token when a request in it `wanted` them (or
+    not): always `MAX_TOP_LOGPROBS` with "coarse" shapes (one program serves both)."""
+    return MAX_TOP_LOGPROBS if wanted or self.config.shape_buckets == COARSE else 0

@@ -8,23 +8,25 @@ import numpy as np
 import pytest
 
 from rollout.engine_types import EngineConfig, QueueFull, RequestHandle
-from rollout.sampling import SamplingParams
-from rollout.scheduler import Scheduler, end_reason, pow2_at_least
+from rollout.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from rollout.scheduler import Scheduler, end_reason, geometric_at_least, pow2_at_least
 
 
 def _req(prompt_len, n=1, deadline=None):
   return RequestHandle(list(range(prompt_len)), SamplingParams(n=n), (), deadline, None)
 
 
-def _sched(**kw):
+def _sched(max_len=256, **kw):
   base = dict(max_slots=8, max_queue=16, prefill_rows=4, min_prefill_len=16, length_bucket=64)
   base.update(kw)
-  return Scheduler(EngineConfig(**base), 256, threading.Condition())
+  return Scheduler(EngineConfig(**base), max_len, threading.Condition())
 
 
 def test_pow2_at_least():
   assert [pow2_at_least(x) for x in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
   assert pow2_at_least(3, 16) == 16 and pow2_at_least(17, 16) == 32
+  assert [geometric_at_least(x, 1, 4) for x in (1, 2, 4, 5, 17)] == [1, 4, 4, 16, 64]
+  assert geometric_at_least(65, 16, 4) == 256
 
 
 def test_enqueue_is_all_or_nothing():
@@ -82,7 +84,6 @@ def test_expiry_removes_cancelled_and_timed_out_requests():
 def test_shape_buckets():
   s = _sched(decode_steps=16)
   assert s.prompt_bucket(1) == 16 and s.prompt_bucket(33) == 64 and s.prompt_bucket(300) == 256
-  assert s.prefill_rows(3) == 4
   pos = np.zeros(8, np.int32)
   pos[[0, 4]] = (10, 100)
   assert s.decode_shape([0, 4], pos) == (8, 128)  # slot 4 -> 8 rows; 100 + 16 -> 128
@@ -90,7 +91,59 @@ def test_shape_buckets():
   pos[0] = 250
   assert s.decode_shape([0], pos) == (1, 256)  # never past the cache
   det = _sched(deterministic=True)
-  assert det.decode_shape([0], pos) == (8, 256) and det.prefill_rows(1) == 4
+  assert det.decode_shape([0], pos) == (8, 256) and det.prefill_rows(1, 16) == 4
+
+
+def test_coarse_decode_lengths_double_and_fine_ones_step_by_length_bucket():
+  coarse, fine = (_sched(max_len=1024, decode_steps=16, length_bucket=64, shape_buckets=b)
+                  for b in ("coarse", "fine"))
+  pos = np.zeros(8, np.int32)
+  spans = {}
+  for s, name in ((coarse, "coarse"), (fine, "fine")):
+    spans[name] = []
+    for p in (10, 48, 49, 100, 150, 300, 600, 1000):
+      pos[2] = p
+      spans[name].append(s.decode_shape([2], pos))
+  # furthest position + 16 steps: 26, 64, 65, 116, 166, 316, 616, 1016
+  assert spans["coarse"] == [(4, n) for n in (64, 64, 128, 128, 256, 512, 1024, 1024)]
+  assert spans["fine"] == [(4, n) for n in (64, 64, 128, 128, 192, 320, 640, 1024)]
+  assert len({n for _, n in spans["coarse"]}) == 5  # 64 x 2**i up to the cache
+
+
+def test_coarse_prefill_rows_are_fixed_per_bucket_by_prefill_tokens():
+  s = _sched(prefill_rows=4, prefill_tokens=64)
+  assert [s.max_prompts(b) for b in (16, 32, 64, 128, 256)] == [4, 2, 1, 1, 1]
+  assert s.prefill_rows(1, 16) == 4 and s.prefill_rows(3, 16) == 4  # padded to the bucket's
+  assert s.prefill_rows(1, 32) == 2 and s.prefill_rows(1, 256) == 1
+  fine = _sched(prefill_rows=4, prefill_tokens=64, shape_buckets="fine")
+  assert [fine.max_prompts(b) for b in (16, 256)] == [4, 4]
+  assert [fine.prefill_rows(p, 256) for p in (1, 2, 3, 4)] == [1, 2, 4, 4]
+  det = _sched(prefill_rows=4, prefill_tokens=64, deterministic=True)
+  assert det.max_prompts(256) == 4 and det.prefill_rows(1, 256) == 4
+
+
+def test_coarse_admission_takes_at_most_the_buckets_prompts():
+  s = _sched(prefill_rows=4, prefill_tokens=64)
+  longs = [_req(20) for _ in range(3)]  # bucket 32: 2 per call
+  s.enqueue(longs)
+  batch, bucket = s.take_prefill_batch()
+  assert bucket == 32 and [h for h, _ in batch] == longs[:2]
+  _admit(s, batch)
+  shorts = [_req(3) for _ in range(5)]  # bucket 16: 4 per call
+  s.enqueue(shorts)
+  batch, bucket = s.take_prefill_batch()
+  assert bucket == 32 and [h for h, _ in batch] == longs[2:]  # its turn came first
+  _admit(s, batch)
+  batch, bucket = s.take_prefill_batch()
+  assert bucket == 16 and [h for h, _ in batch] == shorts[:4]
+  fine = _sched(prefill_rows=4, prefill_tokens=64, shape_buckets="fine")
+  fine.enqueue([_req(20) for _ in range(3)])
+  assert len(fine.take_prefill_batch()[0]) == 3
+
+
+def test_coarse_calls_always_return_top_logprobs():
+  assert [_sched().top_n(w) for w in (False, True)] == [MAX_TOP_LOGPROBS] * 2
+  assert [_sched(shape_buckets="fine").top_n(w) for w in (False, True)] == [0, MAX_TOP_LOGPROBS]
 
 
 def test_drain_empties_the_queue():

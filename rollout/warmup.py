@@ -5,14 +5,17 @@ What:
   * `programs(config, max_len, sched, prefix)`: the `Program`s (kind and static shapes) that
     requests can reach under the engine's settings, derived from the scheduler's own bucket
     functions (`rollout.scheduler`) and the prefix cache's (`rollout.prefix_reuse`):
-      - "prefill": `device_programs.prefill_into_slots`, (prompt rows) x (prompt-length bucket);
-      - "extend": `prefix_programs.extend_into_slots`, (rows) x (bucket of the tokens after the
+      - "prefill": `device_programs.prefill_into_slots`, (prompt rows, prompt-length bucket),
+        when there is no prefix cache, or with "fine" shapes (`EngineConfig.shape_buckets`)
+        for calls in which nothing is cached;
+      - "extend": `prefix_programs.extend_into_slots`, (rows, bucket of the tokens after the
         cached prefix) x (block-table width), for the pairs a prompt that fits the context can
         reach;
       - "decode": `device_programs.decode_chunk`, (batch bucket) x (attended-length bucket);
       - "copy": `prefix_programs.save_blocks`, one per padded count of blocks copied at once;
-    each but "copy" twice: without and with top logprobs (a request asking for alternatives
-    makes its calls return `MAX_TOP_LOGPROBS` of them, a static shape).
+    each but "copy" at every `top_n` the scheduler picks: `MAX_TOP_LOGPROBS` only with
+    "coarse" shapes, 0 and `MAX_TOP_LOGPROBS` with "fine" ones (a request asking for
+    alternatives makes its calls return that many, a static shape).
   * `compile_program(program, ...)`: lowers and compiles one of them ahead of time
     (`jax.jit(f).lower(shapes).compile()`).
   * `compile_all(programs, compile_one, progress, threads, stop)`: compiles a list, several at
@@ -29,9 +32,13 @@ on (`//tools:serve` turns it on), a restart loads these executables instead of c
 
 Why every reachable shape rather than the common ones: which shapes a server sees depends on
 its clients, and a missed one stalls a user for a compilation (seconds on the CPU) at the
-moment it is first used. The count grows with log2(max_slots) x max_len / length_bucket for
-decode and with the prompt buckets x block-table widths for prefix-cache extends (`Engine.
-warm_up` logs it); deterministic mode has a handful (every shape fixed).
+moment it is first used. So the count is the server's start-up time on a cold compilation
+cache, and the scheduler keeps it small by default ("coarse" shapes): it grows with
+log2(max_slots) x log2(max_len / length_bucket) for decode and with the prompt buckets x
+log4 of the block-table widths for prefix-cache extends -- 60 programs for tiny.gin at
+serve.gin's 64 slots and 512 positions, 92 at 2,048 ("fine" shapes: 449 and 1,027;
+BENCHMARKS.md, "Shape buckets"). Deterministic mode has a handful (every shape fixed). The
+server logs the count (`Engine.warm_up`'s progress).
 """
 
 from __future__ import annotations
@@ -125,21 +132,24 @@ def programs(config: EngineConfig, max_len: int, sched: scheduler_lib.Scheduler,
   fits the context.
   """
   ec = config
-  tops = (0, MAX_TOP_LOGPROBS)
+  tops = sorted({sched.top_n(False), sched.top_n(True)})
   # A prompt has 1..max_len-1 tokens (max_tokens >= 1 must fit after it).
   lengths = _first_of_each(range(1, max_len), sched.prompt_bucket)  # bucket -> fewest tokens
-  rows = sorted({sched.prefill_rows(p) for p in range(1, ec.prefill_rows + 1)})
+  # (rows, bucket): a call of a bucket takes 1..max_prompts(bucket) prompts.
+  shapes = sorted({(sched.prefill_rows(p, b), b) for b in lengths
+                   for p in range(1, sched.max_prompts(b) + 1)})
   out = []
-  plain = prefix is None or not ec.deterministic  # deterministic with a prefix cache: all extend
-  if plain:
-    out += [Program("prefill", r, b, 0, t) for r in rows for b in lengths for t in tops]
+  extends = prefix is not None and prefix_reuse.always_extends(ec)
+  if not extends:  # plain prefills: no prefix cache, or a call in which nothing is cached
+    out += [Program("prefill", r, b, 0, t) for r, b in shapes for t in tops]
   if prefix is not None:
     bs = prefix.block_size
-    first = 0 if ec.deterministic else 1  # non-deterministic: extend only with a cached block
+    first = 0 if extends else 1  # else an extend has a cached block
     widths = _first_of_each(range(first, prefix.max_blocks + 1), prefix.table_width)
-    pairs = [(w, b) for w, fewest_blocks in widths.items() for b, fewest in lengths.items()
-             if fewest_blocks * bs + fewest <= max_len - 1]
-    out += [Program("extend", r, b, w, t) for r in rows for w, b in pairs for t in tops]
+    pairs = {(w, b) for w, fewest_blocks in widths.items() for b, fewest in lengths.items()
+             if fewest_blocks * bs + fewest <= max_len - 1}
+    out += [Program("extend", r, b, w, t) for r, b in shapes for w in widths if (w, b) in pairs
+            for t in tops]
     # Pending copies are keyed by store block, so one call copies at most `blocks` of them.
     counts = {prefix_reuse.copy_batch(n) for n in range(1, prefix.blocks + 1)}
     out += [Program("copy", m) for m in sorted(counts)]

@@ -4,7 +4,7 @@ engine gives; it changes nothing a request sees; a server is not ready until it 
 
 Compilations are counted with `warmup.CompileCounter` (jax.monitoring), after
 `jax.clear_caches()`: the jitted programs are module functions, so without it an earlier test's
-engine of the same model would have compiled them already. Each cold test compiles a few dozen
+engine of the same model would have compiled them already. Each cold test compiles 4 to 17
 small programs: seconds each on a loaded 2-core machine.
 """
 
@@ -58,28 +58,48 @@ def _shapes(progs, kind) -> set:
 
 def test_programs_are_the_shapes_the_scheduler_can_pick():
   """Hand-derived for a context of 32: prompt buckets 8, 16, 32; up to 3 cached blocks of 8;
-  decode batches 1, 2 over 16 or 32 positions."""
-  ec = EngineConfig(max_slots=2, max_len=32, min_prefill_len=8, length_bucket=16,
-                    prefill_rows=2, prefix_block_size=8, decode_steps=4)
+  decode batches 1, 2; a decode call needs its furthest position (1..31) + 4 steps."""
+  ec = EngineConfig(max_slots=2, max_len=32, min_prefill_len=8, length_bucket=8,
+                    prefill_rows=2, prefix_block_size=8, decode_steps=4, prefill_tokens=32)
+  # "coarse" (the default): rows fixed per bucket, min(2, 32 // bucket): 2, 2, 1. Every prefill
+  # extends; tables 1 wide (nothing or 1 block cached) or 3 (2 or 3: a power of four, capped at
+  # the 3 blocks a prefix can use). A prompt of 31 tokens at most: after 2 cached blocks 15
+  # tokens are left (bucket 16). Decode attends over 8 x a power of two: 8, 16, 32.
   progs = _programs(ec, 32)
-  assert len(progs) == len(set(progs)) == 45
-  assert _shapes(progs, "prefill") == {(r, n, 0) for r in (1, 2) for n in (8, 16, 32)}
-  # A prompt of 31 tokens at most: 1 cached block leaves up to 23 (bucket 32), 2 leave 15 (16),
-  # 3 leave 7 (8); a table for 3 blocks is 3 wide (all a prefix can use), not 4.
-  assert _shapes(progs, "extend") == {(r, n, w) for r in (1, 2) for w, n in
-                                      ((1, 8), (1, 16), (1, 32), (2, 8), (2, 16), (3, 8))}
-  assert _shapes(progs, "decode") == {(b, s, 0) for b in (1, 2) for s in (16, 32)}
+  assert len(progs) == len(set(progs)) == 12
+  assert not _shapes(progs, "prefill")
+  assert _shapes(progs, "extend") == {(2, 8, 1), (2, 8, 3), (2, 16, 1), (2, 16, 3), (1, 32, 1)}
+  assert _shapes(progs, "decode") == {(b, s, 0) for b in (1, 2) for s in (8, 16, 32)}
   assert _shapes(progs, "copy") == {(8, 0, 0)}  # at most 2 x 32 / 8 = 8 blocks pending
-  for kind in ("prefill", "extend", "decode"):
-    tops = [p.top_n for p in progs if p.kind == kind]
-    assert tops.count(0) == tops.count(MAX_TOP_LOGPROBS) == len(tops) // 2
-  assert [p.kind for p in progs][:2] == ["prefill", "prefill"]  # smallest first
+  assert {p.top_n for p in progs if p.kind != "copy"} == {MAX_TOP_LOGPROBS}
+  assert progs[0] == warmup.Program("decode", 1, 8, 0, MAX_TOP_LOGPROBS)  # smallest first
 
-  det = _programs(dataclasses.replace(ec, deterministic=True), 32)
-  assert _shapes(det, "extend") == {(2, n, 3) for n in (8, 16, 32)}  # every prefill extends
-  assert _shapes(det, "decode") == {(2, 32, 0)} and not _shapes(det, "prefill")
+  # "fine": rows the power of two covering the prompts; plain prefills, and extends with 1..3
+  # cached blocks in tables a power of two wide (capped at 3); 1 block leaves up to 23 tokens
+  # (bucket 32), 2 leave 15 (16), 3 leave 7 (8). Decode lengths step by 8. Each but the copy
+  # with top logprobs off and on.
+  fine = _programs(dataclasses.replace(ec, shape_buckets="fine"), 32)
+  assert len(fine) == len(set(fine)) == 53
+  assert _shapes(fine, "prefill") == {(r, n, 0) for r in (1, 2) for n in (8, 16, 32)}
+  assert _shapes(fine, "extend") == {(r, n, w) for r in (1, 2) for w, n in
+                                     ((1, 8), (1, 16), (1, 32), (2, 8), (2, 16), (3, 8))}
+  assert _shapes(fine, "decode") == {(b, s, 0) for b in (1, 2) for s in (8, 16, 24, 32)}
+  assert _shapes(fine, "copy") == {(8, 0, 0)}
+  for kind in ("prefill", "extend", "decode"):
+    tops = [p.top_n for p in fine if p.kind == kind]
+    assert tops.count(0) == tops.count(MAX_TOP_LOGPROBS) == len(tops) // 2
+
+  # Deterministic: every prefill extends over a 3-wide table with 2 rows, one decode shape.
+  for buckets, per_shape in (("coarse", 1), ("fine", 2)):
+    det = _programs(dataclasses.replace(ec, deterministic=True, shape_buckets=buckets), 32)
+    assert _shapes(det, "extend") == {(2, n, 3) for n in (8, 16, 32)}
+    assert _shapes(det, "decode") == {(2, 32, 0)} and not _shapes(det, "prefill")
+    assert len(det) == 4 * per_shape + 1
+  # Without a prefix cache: plain prefills of the same rows and buckets.
   off = _programs(ec, 32, blocks=0)
-  assert {p.kind for p in off} == {"prefill", "decode"} and len(off) == 20
+  assert {p.kind for p in off} == {"prefill", "decode"} and len(off) == 3 + 6
+  assert _shapes(off, "prefill") == {(2, 8, 0), (2, 16, 0), (1, 32, 0)}
+  assert len(_programs(dataclasses.replace(ec, shape_buckets="fine"), 32, blocks=0)) == 12 + 16
 
 
 def _record_calls(monkeypatch) -> set:
@@ -133,18 +153,33 @@ def _serve(engine: Engine, waves) -> list:
   return out
 
 
-def test_after_warm_up_varied_traffic_compiles_nothing(model, monkeypatch):
+# Per shape_buckets: the SMALL engine's programs, the warm-up's first progress line, and what
+# the traffic reaches. "coarse": rows 1; every prefill an extend over a table 1 wide (0 or 1
+# cached blocks) or 3 (2 or 3; a 16-token bucket does not fit after 2 blocks); decode over
+# 16 positions; top logprobs always. "fine": plain prefills too, tables 1, 2 or 3 wide, top
+# logprobs off and on.
+TRAFFIC = {
+    "coarse": dict(count=6, line="3 extend, 2 decode, 1 copy", kinds={"extend", "decode", "copy"},
+                   widths={1, 3}, tops={MAX_TOP_LOGPROBS}),
+    "fine": dict(count=17, line="4 prefill, 8 extend, 4 decode, 1 copy", kinds=set(warmup.KINDS),
+                 widths={1, 2, 3}, tops={0, MAX_TOP_LOGPROBS}),
+}
+
+
+@pytest.mark.parametrize("buckets", sorted(TRAFFIC))
+def test_after_warm_up_varied_traffic_compiles_nothing(model, monkeypatch, buckets):
+  want = TRAFFIC[buckets]
   jax.clear_caches()
-  engine = Engine(model, config=EngineConfig(**SMALL), start=False)
+  engine = Engine(model, config=EngineConfig(**SMALL, shape_buckets=buckets), start=False)
   calls = []
   result = engine.warm_up(lambda done, total, what: calls.append((done, total, what)),
                           threads=2)
   progs = _programs(engine.config, engine.max_len)
   n = len(progs)
-  assert result["programs"] == result["done"] == n == 17
+  assert result["programs"] == result["done"] == n == want["count"]
   assert result["compiled"] + result["cache_hits"] == n  # each compiled once, nothing else
   assert [c[:2] for c in calls] == [(i, n) for i in range(n + 1)]
-  assert calls[0][2] == "4 prefill, 8 extend, 4 decode, 1 copy"
+  assert calls[0][2] == want["line"]
   assert sorted(c[2].rsplit(" (", 1)[0] for c in calls[1:]) == sorted(p.describe() for p in progs)
 
   used = _record_calls(monkeypatch)
@@ -156,12 +191,12 @@ def test_after_warm_up_varied_traffic_compiles_nothing(model, monkeypatch):
     engine.stop()
   assert counter.executables == 0
   assert used <= set(progs)
-  # The traffic reached every kind, both top-logprob variants, batches of 1 and 2 slots and
-  # cached prefixes of 1 to 3 blocks.
-  assert {p.kind for p in used} == set(warmup.KINDS)
-  assert {p.top_n for p in used} == {0, MAX_TOP_LOGPROBS}
+  # The traffic reached every kind, every top-logprob variant, batches of 1 and 2 slots and
+  # every table width (cached prefixes of 0 to 3 blocks).
+  assert {p.kind for p in used} == want["kinds"]
+  assert {p.top_n for p in used if p.kind != "copy"} == want["tops"]
   assert {p.rows for p in used if p.kind == "decode"} == {1, 2}
-  assert {p.blocks for p in used if p.kind == "extend"} == {1, 2, 3}
+  assert {p.blocks for p in used if p.kind == "extend"} == want["widths"]
   assert all(c.finish_reason in ("stop", "length") for r in results for c in r)
 
 
@@ -199,7 +234,7 @@ def test_warm_up_mid_service_changes_nothing_and_outputs_match_a_cold_engine(mod
     got = _serve(warm, first)
     before = _snapshot(warm)
     result = warm.warm_up()
-    assert result["done"] == result["programs"] == len(_programs(ec, warm.max_len)) == 7
+    assert result["done"] == result["programs"] == len(_programs(ec, warm.max_len)) == 4
     assert _same_state(before, _snapshot(warm))
     with warmup.CompileCounter() as counter:
       got += _serve(warm, rest)
@@ -249,8 +284,8 @@ def test_the_server_is_not_ready_until_its_warm_up_is_done(model, monkeypatch, c
     waiting.wait_event(entered, "the first program of the warm-up", timeout_s=WAIT_S)
     status, body = _health(live)
     assert status == 503 and body["status"] == "warming_up"
-    assert body["warmup"] == {"done": 1, "total": 7}
-    assert body["problems"] == ["warming up: compiled 1 of 7 programs"]
+    assert body["warmup"] == {"done": 1, "total": 4}
+    assert body["problems"] == ["warming up: compiled 1 of 4 programs"]
     gate.set()
     waiting.wait_until(lambda: _health(live)[0] == 200, "the warm-up to finish",
                        timeout_s=WAIT_S)
@@ -260,11 +295,11 @@ def test_the_server_is_not_ready_until_its_warm_up_is_done(model, monkeypatch, c
     live.close()
     engine.stop()
   lines = [r.getMessage() for r in caplog.records if r.name == "rollout.server"]
-  assert any(x.startswith("warm-up: compiling 7 device programs (4 extend, 2 decode, 1 copy)")
+  assert any(x.startswith("warm-up: compiling 4 device programs (2 extend, 1 decode, 1 copy)")
              for x in lines)
   assert [x.split(":")[1] for x in lines if x.startswith("warm-up: compiled ")] == \
-      [f" compiled {i}/7" for i in range(1, 8)]
-  assert any(x.startswith("warm-up done: 7 programs") for x in lines)
+      [f" compiled {i}/4" for i in range(1, 5)]
+  assert any(x.startswith("warm-up done: 4 programs") for x in lines)
 
 
 def test_a_failed_warm_up_keeps_the_server_unhealthy(model, monkeypatch):

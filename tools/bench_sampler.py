@@ -24,6 +24,15 @@ What it measures, all in one run on the same weights and prompts:
      XLA (a jitted einsum, as rollout.forward runs it) and through torch.bmm with 1 and 2
      threads, in the same process and minutes as the rest.
 
+  `--only_shape_buckets` runs instead: "coarse" against "fine" shape buckets
+  (`EngineConfig.shape_buckets`) on the same model, prompts and settings (`--length_bucket`),
+  both warm: decode tokens/s (the engine's own decode-call count and seconds), end-to-end
+  tokens/s, TTFT, and each engine's program count (what a server's warm-up compiles). E.g.
+    .venv/bin/python -m tools.bench_sampler --only_shape_buckets --length_bucket=64 \
+        --new_tokens=224 --repeats=5 --batches=1,8,16,64 [--logprobs=5]
+  (`--logprobs`: every request asks for that many alternatives, so both engines compute the
+  top-k, and the ratio is the other buckets' cost alone).
+
 Threads: transformers runs with 1 and with 2 torch threads (`torch.set_num_threads`) and keeps
 its better result; XLA's CPU client sizes its thread pool to the schedulable cores, recorded as
 `xla_threads` (this process's CPU affinity).
@@ -50,6 +59,7 @@ from moe import hf
 from moe import params as moe_params
 from moe.config import ModelConfig
 from rollout import agreement
+from rollout import warmup
 from rollout.engine import Engine, EngineConfig
 from rollout.sampling import SamplingParams
 
@@ -87,7 +97,7 @@ def bench_transformers(model, prompts: np.ndarray, new_tokens: int, threads: int
 
 
 def bench_engine(engine: Engine, prompts: np.ndarray, new_tokens: int, *,
-                 temperature: float = 0.0, seed: int = 0) -> dict:
+                 temperature: float = 0.0, seed: int = 0, logprobs: int = 0) -> dict:
   first = {}
   lock = threading.Lock()
   t0 = time.perf_counter()
@@ -98,7 +108,7 @@ def bench_engine(engine: Engine, prompts: np.ndarray, new_tokens: int, *,
         first.setdefault(h.id, time.perf_counter() - t0)
 
   params = SamplingParams(max_tokens=new_tokens, temperature=temperature, seed=seed,
-                          ignore_eos=True)
+                          ignore_eos=True, logprobs=logprobs)
   handles = engine.submit_batch(prompts.tolist(), params, on_tokens=on_tokens)
   done = []
   for h in handles:
@@ -149,6 +159,78 @@ def throughput(torch_model, engines: dict, rng, batches, prompt_len, new_tokens,
     print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}),
           flush=True)
   return rows
+
+
+def _timed_decode(engine: Engine, prompts: np.ndarray, new_tokens: int, logprobs: int) -> dict:
+  """`bench_engine`, plus decode tokens/s: tokens of the run's decode calls over their seconds
+  (the engine's counters; the first token of each completion comes from its prefill)."""
+  before = dict(engine.stats)
+  r = bench_engine(engine, prompts, new_tokens, logprobs=logprobs)
+  tokens = engine.stats["generated_tokens_total"] - before.get("generated_tokens_total", 0)
+  seconds = engine.stats["decode_seconds_total"] - before.get("decode_seconds_total", 0.0)
+  r["decode_tok_s"] = tokens / seconds if seconds else 0.0
+  return r
+
+
+def shape_bucket_rows(model, base: dict, rng, batches, prompt_len, new_tokens, repeats,
+                      vocab, logprobs: int = 0) -> list:
+  """"coarse" against "fine" shape buckets on the same prompts: each engine runs the workload
+  twice untimed (compiling the shapes it uses: the first run misses the prefix cache, the
+  later ones find the prompts' blocks cached), then `repeats` timed runs each, the order
+  alternating; the best run (decode tokens/s) of each is kept. Requests ask for `logprobs`
+  alternatives per token: with 0, "fine" calls skip the top-k that "coarse" ones compute; with
+  some, both compute it, and what is left is the other buckets' cost."""
+  names = ("coarse", "fine")
+  engines = {b: Engine(model, config=EngineConfig(shape_buckets=b, **base)) for b in names}
+  rows = []
+  try:
+    programs = {b: len(e.programs()) for b, e in engines.items()}
+    for b in batches:
+      prompts = rng.integers(0, vocab, (b, prompt_len))
+      for eng in engines.values():
+        for _ in range(2):
+          bench_engine(eng, prompts, new_tokens, logprobs=logprobs)
+      runs = {name: [] for name in names}
+      with warmup.CompileCounter() as counter:  # the timed runs must compile nothing
+        for i in range(repeats):
+          for name in (names if i % 2 == 0 else names[::-1]):
+            runs[name].append(_timed_decode(engines[name], prompts, new_tokens, logprobs))
+      best = {k: max(v, key=lambda r: r["decode_tok_s"]) for k, v in runs.items()}
+      c, f = best["coarse"], best["fine"]
+      row = {"batch": b, "logprobs": logprobs, "compiled_while_timed": counter.executables,
+             "loadavg_1m": os.getloadavg()[0], "xla_threads":
+             len(os.sched_getaffinity(0)), "same_greedy_tokens": float(np.mean(
+                 (c["tokens"] == f["tokens"]).all(axis=1))),
+             "decode_ratio": c["decode_tok_s"] / f["decode_tok_s"],
+             "end_to_end_ratio": c["tokens_per_s"] / f["tokens_per_s"]}
+      for name, r in best.items():
+        row.update({f"{name}_programs": programs[name], f"{name}_decode_tok_s": r["decode_tok_s"],
+                    f"{name}_tok_s": r["tokens_per_s"], f"{name}_ttft_s": r["ttft_s"],
+                    f"{name}_all_decode_tok_s": [x["decode_tok_s"] for x in runs[name]]})
+      rows.append(row)
+      print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}),
+            flush=True)
+  finally:
+    for e in engines.values():
+      e.stop()
+  return rows
+
+
+def shape_bucket_markdown(rows: list) -> str:
+  """`shape_bucket_rows` as the table of BENCHMARKS.md ("Shape buckets")."""
+  lines = ["| batch | logprobs asked | decode tok/s: coarse / fine | ratio | end-to-end tok/s: "
+           "coarse / fine | ratio | TTFT s: coarse / fine | programs: coarse / fine | same "
+           "greedy tokens | load avg |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- "
+           "| --- |"]
+  for r in rows:
+    lines.append(
+        f"| {r['batch']} | {r['logprobs']} | "
+        f"{r['coarse_decode_tok_s']:,.0f} / {r['fine_decode_tok_s']:,.0f} | "
+        f"{r['decode_ratio']:.3f} | {r['coarse_tok_s']:,.0f} / {r['fine_tok_s']:,.0f} | "
+        f"{r['end_to_end_ratio']:.3f} | {r['coarse_ttft_s']:.3f} / {r['fine_ttft_s']:.3f} | "
+        f"{r['coarse_programs']} / {r['fine_programs']} | {r['same_greedy_tokens']:.0%} | "
+        f"{r['loadavg_1m']:.1f} |")
+  return "\n".join(lines)
 
 
 def agreement_rows(model, engines: dict, rng, batch, prompt_len, new_tokens, vocab) -> dict:
@@ -345,6 +427,14 @@ def main(argv=None) -> int:
   p.add_argument("--quick", action="store_true", help="a tiny smoke run (tests)")
   p.add_argument("--skip_1b", action="store_true")
   p.add_argument("--only_swap", action="store_true", help="skip throughput and agreement")
+  p.add_argument("--only_shape_buckets", action="store_true",
+                 help="only \"coarse\" against \"fine\" shape buckets (EngineConfig."
+                      "shape_buckets): decode tokens/s, warm against warm")
+  p.add_argument("--logprobs", type=int, default=0,
+                 help="with --only_shape_buckets: top logprobs each request asks for")
+  p.add_argument("--length_bucket", type=int, default=32,
+                 help="EngineConfig.length_bucket of the engines (the context is rounded up to "
+                      "a multiple of it)")
   p.add_argument("--json", help="write all results here")
   args = p.parse_args(argv)
   batches = [int(b) for b in args.batches.split(",")]
@@ -355,9 +445,22 @@ def main(argv=None) -> int:
     torch_model = make_hf_checkpoint(d, spec)
     model = hf.load_pretrained(d)
   cfg = model.config
-  max_len = -(-(args.prompt_len + args.new_tokens) // 32) * 32
+  lb = args.length_bucket
+  max_len = -(-(args.prompt_len + args.new_tokens) // lb) * lb
   base = dict(max_slots=max(batches), max_len=max_len, decode_steps=args.decode_steps,
-              length_bucket=32)
+              length_bucket=lb)
+  report["engine"] = base
+  if args.only_shape_buckets:
+    del torch_model
+    report["shape_buckets"] = shape_bucket_rows(model, base, np.random.default_rng(0), batches,
+                                                args.prompt_len, args.new_tokens, args.repeats,
+                                                cfg.vocab_size, args.logprobs)
+    report["loadavg_end"] = os.getloadavg()
+    print(shape_bucket_markdown(report["shape_buckets"]), flush=True)
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump(report, f, indent=1)
+    return 0
   report["throughput"], report["agreement"], report["matmul"] = [], {}, []
   if not args.only_swap:
     report["matmul"] = matmul_rates(ms=(4, 8) if args.quick else (16, 32, 64))

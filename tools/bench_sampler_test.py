@@ -35,5 +35,24 @@ def test_quick_run(tmp_path):
     assert row["xla_gflops"] > 0 and row["torch_1_gflops"] > 0 and row["torch_2_gflops"] > 0
 
 
+def test_shape_bucket_rows(tmp_path):
+  """Both engines ran the same prompts warm: decode rates, their ratio, the program counts."""
+  out = tmp_path / "s.json"
+  assert bench_sampler.main(["--quick", "--only_shape_buckets", "--batches", "1,4",
+                             "--new_tokens", "40", "--prompt_len", "8", "--repeats", "2",
+                             "--decode_steps", "4", "--length_bucket", "16",
+                             "--json", str(out)]) == 0
+  report = json.loads(out.read_text())
+  assert report["engine"]["max_len"] == 48 and "throughput" not in report
+  rows = report["shape_buckets"]
+  assert [r["batch"] for r in rows] == [1, 4]
+  for r in rows:
+    assert len(r["coarse_all_decode_tok_s"]) == len(r["fine_all_decode_tok_s"]) == 2
+    assert r["coarse_decode_tok_s"] == max(r["coarse_all_decode_tok_s"]) > 0
+    assert r["decode_ratio"] == r["coarse_decode_tok_s"] / r["fine_decode_tok_s"]
+    assert r["coarse_programs"] < r["fine_programs"]
+    assert r["compiled_while_timed"] == 0
+
+
 if __name__ == "__main__":
   sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))

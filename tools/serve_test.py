@@ -75,8 +75,8 @@ def test_serve_writes_the_admin_token_file_and_says_where_it_is(tmp_path):
   a 0600 file; the start-up line names the file and does not show the token."""
   token_file = tmp_path / "token"
   binary = testing.Binary("serve", [TINY, SERVE, "--max_slots=2", "--max_len=32", "--port=0",
-                                    "--admin_port=0", f"--admin_token_file={token_file}"],
-                          tmp_path)
+                                    "--admin_port=0", f"--admin_token_file={token_file}",
+                                    *testing.serve_flags(tmp_path)], tmp_path)
   try:
     line = binary.line
     m = re.search(r"admin on http://127\.0\.0\.1:(\d+), admin token in (\S+) ", line)
@@ -84,6 +84,7 @@ def test_serve_writes_the_admin_token_file_and_says_where_it_is(tmp_path):
     token = token_file.read_text().strip()
     assert len(token) >= 32 and token not in line
     assert stat.S_IMODE(os.stat(token_file).st_mode) == 0o600
+    assert "warm-up" not in binary.stderr()  # serve_flags: no warm-up in this test
     url = f"http://127.0.0.1:{m.group(1)}/admin/status"
     with pytest.raises(urllib.error.HTTPError) as e:
       urllib.request.urlopen(url, timeout=WAIT_S)
@@ -93,6 +94,14 @@ def test_serve_writes_the_admin_token_file_and_says_where_it_is(tmp_path):
       assert r.status == 200 and json.loads(r.read())["policy_version"] == 0
   finally:
     binary.close()
+
+
+def test_a_test_does_not_start_serve_on_the_users_compilation_cache(tmp_path):
+  with pytest.raises(ValueError, match="needs --compilation_cache_dir"):
+    testing.Binary("serve", [TINY, SERVE, "--port=0"], tmp_path)
+  flags = testing.serve_flags(tmp_path)
+  assert flags == [f"--compilation_cache_dir={tmp_path / 'jax_cache'}", "--no_warmup"]
+  assert testing.serve_flags(tmp_path, warmup=True) == flags[:1]
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +129,8 @@ def test_the_binary_serves_a_transformers_checkpoint_with_its_own_tokenizer(
   template; /v1/models names the checkpoint; all through the real entry point."""
   d, ref = transformers_checkpoint
   binary = testing.Binary("serve", [f"--hf_checkpoint={d}", "--port=0", "--admin_port=-1",
-                                    "--max_slots=4", "--max_len=64", "--decode_steps=4"],
-                          tmp_path)
+                                    "--max_slots=4", "--max_len=64", "--decode_steps=4",
+                                    *testing.serve_flags(tmp_path)], tmp_path)
   messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "fix it"}]
   try:
     port = testing.serve_port(binary.line)

@@ -1,11 +1,14 @@
 """Test-only helpers of tools/' tests: an entry point run as a process, the way Bazel runs it.
 
-`Binary("serve", args, log_dir)` starts //tools:serve and waits (bounded) for the one line it
-prints at start-up. Under `bazel test` the process is the Bazel binary itself (the test target
-needs `data = [":serve"]`); outside Bazel it is what the binary's stub executes, the toolchain's
-interpreter (build_defs/venv_python.sh) on tools/<name>.py as a script. Running the real binary,
-not an import of its module, is what catches start-up faults such as a module of the package
-shadowing a dependency on sys.path (see build_defs/module_names_test.py).
+`Binary("serve", args + serve_flags(log_dir), log_dir)` starts //tools:serve and waits
+(bounded) for the one line it prints at start-up; `serve_flags` keeps JAX's persistent
+compilation cache in the test's directory and skips the warm-up, and `Binary` refuses to start
+the server without a cache directory of the test's own. Under `bazel test` the process is the
+Bazel binary itself (the test target needs `data = [":serve"]`); outside Bazel it is what the
+binary's stub executes, the toolchain's interpreter (build_defs/venv_python.sh) on
+tools/<name>.py as a script. Running the real binary, not an import of its module, is what
+catches start-up faults such as a module of the package shadowing a dependency on sys.path
+(see build_defs/module_names_test.py).
 """
 
 from __future__ import annotations
@@ -31,6 +34,18 @@ def command(name: str) -> list:
           os.path.join(ROOT, "tools", f"{name}.py")]
 
 
+def serve_flags(log_dir, *, warmup: bool = False) -> list:
+  """The flags a test's start of //tools:serve needs besides its own.
+
+  `--compilation_cache_dir` under `log_dir`: a test never writes the user's cache (the
+  default, ~/.cache/moe-rl/jax) nor reads what another run left there. `--no_warmup` unless
+  `warmup`: a test sends a few requests, whose shapes compile on first use, where a warm-up
+  would compile every shape a request could reach first (minutes on a loaded CPU).
+  """
+  flags = [f"--compilation_cache_dir={os.path.join(log_dir, 'jax_cache')}"]
+  return flags if warmup else flags + ["--no_warmup"]
+
+
 class Binary:
   """//tools:<name> running as a process; `line` is the first line it prints.
 
@@ -39,6 +54,9 @@ class Binary:
 
   def __init__(self, name: str, args: Sequence[str], log_dir):
     self.name = name
+    if name == "serve" and not any(a.startswith("--compilation_cache_dir=") for a in args):
+      raise ValueError("//tools:serve in a test needs --compilation_cache_dir (serve_flags): "
+                       "the default is the user's own cache")
     env = {k: v for k, v in os.environ.items() if k != "ROLLOUT_ADMIN_TOKEN"}
     if not os.environ.get("TEST_SRCDIR"):  # Bazel's stub sets PYTHONPATH itself
       env["PYTHONPATH"] = ROOT

@@ -134,8 +134,8 @@ def test_train_from_a_transformers_checkpoint_then_serve_and_load_the_export(sou
 
   # -- //tools:serve serves it: the openai client's chat API, answered greedily -----------------
   server = testing.Binary("serve", [f"--hf_checkpoint={out}", "--port=0", "--admin_port=-1",
-                                    "--max_slots=2", "--max_len=64", "--decode_steps=4"],
-                          tmp_path)
+                                    "--max_slots=2", "--max_len=64", "--decode_steps=4",
+                                    *testing.serve_flags(tmp_path)], tmp_path)
   try:
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{testing.serve_port(server.line)}/v1",
                            api_key="unused", max_retries=0, timeout=testing.WAIT_S)
