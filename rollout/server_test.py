@@ -439,16 +439,7 @@ def test_health_answers_while_a_prompt_is_tokenized(live):
 def test_a_stuck_engine_loop_still_gets_an_answer_by_the_timeout(live, monkeypatch, stream):
   """The engine thread is held inside a decode call, so it can neither finish nor expire the
   request: the handler answers by itself (504, or a stream ending in "timeout")."""
-  from rollout import device_programs
-  entered, gate = threading.Event(), threading.Event()
-  real = device_programs.decode_chunk
-
-  def held(*a, **kw):
-    entered.set()
-    gate.wait(120)
-    return real(*a, **kw)
-
-  monkeypatch.setattr(device_programs, "decode_chunk", held)
+  entered, gate = testing.hold_decode(live.server.engine, monkeypatch)
   body = {"prompt": [1, 2], "max_tokens": 30, "ignore_eos": True, "timeout": 0.5,
           "stream": stream}
   out = {}
