@@ -74,6 +74,8 @@ def test_pretrain_and_evaluate_from_the_checkpoint_then_export_it(source, tmp_pa
              f"EOS ids {eos}" in l for l in lines), lines
   # Continual pre-training: two steps of the imported weights, on documents without BOS.
   assert len(experiment_testing.read_metrics(run_dir)["pretrain"]) == 2
+  about = json.load(open(os.path.join(run_dir, "corpus.json")))
+  assert about["tokenizer"]["kind"] == "checkpoint", about["tokenizer"]
   imported = hf.load_pretrained(d, dtype="float32")
   _, pretrained = moe_checkpoint.load_params_flat(os.path.join(run_dir, "pretrained_model"))
   assert any(not np.array_equal(v, pretrained[k])

@@ -197,7 +197,8 @@ def pretrain(cfg: ExperimentConfig, run_dir: str, all_tasks, mesh, *,
                                   init_model=init_model)
   if p.steps:
     docs, about = corpus(cfg, all_tasks, pool, tokenizer, chat=chat)
-    about["tokenizer"] = {"kind": cfg.tokenizer, "vocab_size": tokenizer.vocab_size}
+    about["tokenizer"] = {"kind": "checkpoint" if cfg.hf_checkpoint else cfg.tokenizer,
+                          "class": type(tokenizer).__name__, "vocab_size": tokenizer.vocab_size}
     with open(os.path.join(run_dir, "corpus.json"), "w", encoding="utf-8") as f:
       json.dump(about, f, indent=1)
     if cfg.suite != "pyfunc":

@@ -209,7 +209,8 @@ def test_agentic_experiment_end_to_end(tmp_path):
   for tag in toolcall.TEMPLATE_TOKENS:
     assert tok.encode(tag) == [tok.special_id(tag)]
   corpus = json.load(open(tmp_path / "corpus.json"))
-  assert corpus["tokenizer"] == {"kind": "bpe", "vocab_size": tok.vocab_size}, corpus
+  assert corpus["tokenizer"] == {"kind": "bpe", "class": "BPETokenizer",
+                                "vocab_size": tok.vocab_size}, corpus
   assert corpus["agent_documents"] >= 6 and corpus["summarised_episodes"] >= 1, corpus
   assert corpus["documents"] == corpus["agent_documents"] + corpus["code_documents"]
   # Transcripts fit the window in the BPE's tokens, several bytes a token.
