@@ -1,14 +1,15 @@
 """Detects what this host offers for sandboxing, once, and explains what is missing.
 
-The fleet needs: bubblewrap (`bwrap`), unprivileged user namespaces (bwrap runs as an
-unprivileged uid so RLIMIT_NPROC binds and files are not root's), and a stdlib Python at
-/usr/bin/python3 to run inside. cgroup v1 memory and pids controllers are used when writable
+The fleet needs unprivileged user namespaces (the spawn helper, `spawner`, makes each sandbox's
+namespaces as an unprivileged uid, so RLIMIT_NPROC binds and files are not root's) and a stdlib
+Python at /usr/bin/python3 to run the helper and the programs inside. The check builds one real
+sandbox (every namespace, the mounts, the dropped privileges) and runs nothing in it. cgroup v1 memory and pids controllers are used when writable
 (whole-sandbox memory and process caps, OOM attribution); without them per-process rlimits are
 the only caps and every result says so.
 
 Process limits. RLIMIT_NPROC is not a per-process limit: the kernel compares it with the number
 of tasks of the caller's real uid, and every sandbox runs as the same uid (nobody). Since Linux
-5.14 that count is kept per user namespace, so inside a bwrap sandbox it covers that sandbox
+5.14 that count is kept per user namespace, so inside a sandbox it covers that sandbox
 alone, but a degraded sandbox (no namespaces) counts every process of the uid on the host: one
 tenant's fork bomb, or many live sandboxes, would make another sandbox's fork fail. So where a
 sandbox has its own pids cgroup, the cgroup is its process bound and RLIMIT_NPROC is only the
@@ -20,11 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import platform
 import resource
 import shutil
 import subprocess
+import tempfile
 
 SANDBOX_UID = 65534  # nobody: sandboxes never run as a uid that owns anything on the host.
 SANDBOX_PYTHON = "/usr/bin/python3"
@@ -33,7 +36,6 @@ SANDBOX_PYTHON = "/usr/bin/python3"
 @dataclasses.dataclass(frozen=True)
 class HostFeatures:
   """What the host supports. `problems` explains every missing feature in words."""
-  bwrap: str | None
   namespaces: bool
   python: str | None
   cgroup_memory: str | None  # a directory we may create per-sandbox cgroups under
@@ -43,13 +45,13 @@ class HostFeatures:
   # RLIMIT_NPROC of sandbox processes where a pids cgroup bounds each sandbox: a cap on all
   # tasks of the sandbox uid together, far above any one sandbox's bound (see `nproc_cap`).
   nproc_cap: int = 0
-  # Whether the kernel counts RLIMIT_NPROC per user namespace (Linux >= 5.14), i.e. per bwrap
+  # Whether the kernel counts RLIMIT_NPROC per user namespace (Linux >= 5.14), i.e. per
   # sandbox; before, every sandbox of the uid shares one count.
   nproc_per_userns: bool = True
 
   @property
   def full_isolation(self) -> bool:
-    return bool(self.bwrap and self.namespaces and self.python)
+    return bool(self.namespaces and self.python)
 
   @property
   def nproc_shared(self) -> bool:
@@ -64,7 +66,7 @@ class HostFeatures:
     shared = (f"process limit SHARED: RLIMIT_NPROC counts every process of {uid} on the host, "
               "other sandboxes' included")
     if self.full_isolation:
-      parts = [f"bwrap: user+pid+net+ipc+uts+mount namespaces, {uid}, rlimits"]
+      parts = [f"namespaces: user+pid+net+ipc+uts+mount+cgroup, {uid}, no capabilities, rlimits"]
       parts.append("cgroup memory" if self.cgroup_memory else "no memory cgroup (rlimit AS only)")
       if self.cgroup_pids:
         parts.append("cgroup pids")
@@ -139,36 +141,47 @@ def nproc_cap() -> int:
   return cap
 
 
-@functools.lru_cache(maxsize=None)
-def detect() -> HostFeatures:
-  """Probes the host (about 10 ms, cached)."""
-  problems = []
-  bwrap = shutil.which("bwrap")
-  python = SANDBOX_PYTHON if os.access(SANDBOX_PYTHON, os.X_OK) else None
-  if not python:
-    problems.append(f"{SANDBOX_PYTHON} is missing (apt-get install python3)")
-  namespaces = False
-  if not bwrap:
-    problems.append("bubblewrap is not installed (apt-get install bubblewrap, or run "
-                    "scripts/bootstrap.sh)")
-  else:
-    cmd = [bwrap, "--unshare-user", "--unshare-all", "--die-with-parent", "--ro-bind", "/usr",
-           "/usr", "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib", "--symlink",
-           "usr/lib64", "/lib64", "/usr/bin/true"]
+def _probe_namespaces(python: str) -> str | None:
+  """Builds one sandbox as the spawn helper does, as the sandbox uid; None if it worked, else
+  why not."""
+  here = os.path.dirname(os.path.abspath(__file__))
+  with open(os.path.join(here, "spawner.py")) as f:
+    source = f.read()
+  root = tempfile.mkdtemp(prefix=f"envs-probe-{os.getpid()}-", dir="/tmp")
+  try:
+    os.chmod(root, 0o755)
+    paths = {k: os.path.join(root, k) for k in ("workspace", "opt", "site", "newroot")}
+    for path in paths.values():
+      os.mkdir(path, 0o755)
     kw = {}
     if os.geteuid() == 0:
+      os.chown(paths["workspace"], SANDBOX_UID, SANDBOX_UID)
       kw = dict(user=SANDBOX_UID, group=SANDBOX_UID, extra_groups=[])
-    try:
-      r = subprocess.run(cmd, capture_output=True, text=True, timeout=10, check=False, **kw)
-      namespaces = r.returncode == 0
-      if not namespaces:
-        problems.append("bwrap cannot create unprivileged user namespaces here "
-                        f"({r.stderr.strip()}); check kernel.unprivileged_userns_clone and "
-                        "user.max_user_namespaces")
-    except (OSError, subprocess.TimeoutExpired) as e:
-      problems.append(f"bwrap failed to run: {e}")
+    # Source as -c: the source tree may sit where the sandbox uid cannot read.
+    r = subprocess.run([python, "-s", "-B", "-c", source, "--probe", json.dumps(paths)],
+                       capture_output=True, text=True, timeout=30, check=False, cwd=root, **kw)
+    return None if r.returncode == 0 else (r.stderr.strip() or f"exit {r.returncode}")
+  except (OSError, subprocess.TimeoutExpired) as e:
+    return str(e)
+  finally:
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@functools.lru_cache(maxsize=None)
+def detect() -> HostFeatures:
+  """Probes the host (a few tens of ms, cached)."""
+  problems = []
+  python = SANDBOX_PYTHON if os.access(SANDBOX_PYTHON, os.X_OK) else None
+  namespaces = False
+  if not python:
+    problems.append(f"{SANDBOX_PYTHON} is missing (apt-get install python3)")
+  else:
+    why = _probe_namespaces(python)
+    namespaces = why is None
+    if why:
+      problems.append(f"cannot create unprivileged user namespaces and mounts here ({why}); "
+                      "check kernel.unprivileged_userns_clone and user.max_user_namespaces")
   return HostFeatures(
-      bwrap=bwrap,
       namespaces=namespaces,
       python=python,
       cgroup_memory=_own_cgroup_dir("memory"),

@@ -1,11 +1,17 @@
 """A warm pool of pre-started sandboxes, so acquiring one costs a queue pop, not a start.
 
-Spawner threads keep `size` idle slots started and ready (bwrap plus the zygote, about 15 ms of
-work each, done off the critical path). `acquire` hands one out; `release` destroys it and a
-replacement is started in the background. While idle slots remain, the replacement waits
-`refill_delay_s` after the last acquire: starting a sandbox is ~20 ms of CPU, and on a small host
-it would otherwise compete with the first command of the episode just handed out (measured: p50
-start latency ~2x on 2 cores). With no idle slot left it starts at once, so bursts do not wait.
+Spawner threads keep idle slots started and ready, off the critical path: each asks the pool's
+spawn helper (`launcher`, `spawner`) for a sandbox, a fork of an interpreter that has the zygote
+imported plus the namespace and mount set-up (a few ms of CPU, no interpreter start). `acquire`
+hands one out; `release` destroys it and a replacement starts in the background.
+
+Sizing to demand: the pool keeps `target` idle slots, at least `size`. An acquire that finds no
+idle slot (a miss: demand outran the refill) raises the target by one, up to `max_idle`, so a
+sustained stream or a burst soon finds slots waiting; after `shrink_after_s` without a miss the
+target falls back by one at a time, and an idle slot above it is destroyed, so a quiet pool holds
+no more memory than `size` sandboxes. Refills start as soon as a slot is taken (concurrently with
+the episode); `refill_delay_s` can hold them back while idle slots remain, for hosts where a
+start competing with the first command for the CPU matters more than keeping up.
 
 `max_live` caps idle plus in-use slots, so a burst of a thousand queued episodes waits for slots
 instead of starting a thousand sandboxes at once: memory stays bounded at roughly `max_live`
@@ -25,6 +31,7 @@ import threading
 import time
 
 from envs.sandbox import hostcheck
+from envs.sandbox import launcher as launcher_lib
 from envs.sandbox import slot as slot_lib
 
 
@@ -32,23 +39,25 @@ class WarmPool:
   """Pre-started single-use sandboxes.
 
   Args:
-    size: idle sandboxes kept ready.
+    size: idle sandboxes kept ready at least (the target when demand is low).
     max_live: cap on idle plus in-use sandboxes (default 4 * size).
+    max_idle: the most idle sandboxes the target grows to under demand (default max_live).
+    shrink_after_s: how long without a miss before the target falls by one toward `size`.
     allow_degraded: when the host cannot isolate (no bwrap or user namespaces), run in the
       documented weaker mode instead of raising `SandboxUnavailable`. Every result then carries
       a "degraded_isolation" violation and an `isolation` string starting with "DEGRADED".
     force_degraded: use the weaker mode even where isolation is available (for tests).
-    spawn_threads: concurrent starts. A start is partly waiting (process start-up, namespace
-      set-up in the kernel, the ready handshake), so more starts than cores in flight help: on
-      2 cores, 4 gave ~1.4x the burst throughput of 2.
+    spawn_threads: concurrent starts. A start is partly waiting (the sandbox's set-up runs in
+      its own processes, then the ready handshake), so several in flight keep both cores busy.
     root: where slot directories live (default: a fresh temporary directory).
     refill_delay_s: how long a replacement waits after the last acquire while idle slots remain
-      (0: start replacements at once).
+      (0, the default: start replacements at once).
   """
 
   def __init__(self, size: int = 4, *, max_live: int | None = None, allow_degraded: bool = False,
                force_degraded: bool = False, spawn_threads: int = 4, root: str | None = None,
-               refill_delay_s: float = 0.03):
+               refill_delay_s: float = 0.0, max_idle: int | None = None,
+               shrink_after_s: float = 5.0):
     if refill_delay_s < 0:
       raise ValueError(f"refill_delay_s must be >= 0, got {refill_delay_s}")
     self.features = hostcheck.detect()
@@ -60,8 +69,12 @@ class WarmPool:
           "run with rlimits only, which every result will then report.")
     self.size = size
     self.max_live = max(max_live or 4 * size, size, 1)
+    self.max_idle = min(max(max_idle or self.max_live, size), self.max_live)
+    self.target = size  # Idle slots wanted now: grows on a miss, shrinks when quiet.
+    self.shrink_after_s = shrink_after_s
     self.refill_delay_s = refill_delay_s
     self._last_acquire = float("-inf")
+    self._last_miss = float("-inf")
     self._own_root = root is None
     # Under /tmp (not $TMPDIR, which Bazel points under /root): the sandbox uid must be able to
     # traverse every directory above a bind-mounted path.
@@ -70,14 +83,15 @@ class WarmPool:
     self.root = root or tempfile.mkdtemp(prefix=f"envs-fleet-{os.getpid()}-", dir=tmp_root)
     os.chmod(self.root, 0o711)
     self.opt_dir = slot_lib.prepare_opt(self.features, self.root)
+    self.launcher = launcher_lib.Launcher(self.features, self.opt_dir, self.root)
     self._idle: collections.deque[slot_lib.Slot] = collections.deque()
     self._cv = threading.Condition()
     self._live = 0  # idle + in use + starting
     self._starting = 0
     self._closed = False
     self.stats = collections.Counter()
+    self.last_spawn_error: str | None = None
     self._teardown: queue.Queue = queue.Queue()
-    self._torn_down = threading.Event()
     self._threads = [threading.Thread(target=self._spawn_loop, daemon=True, name=f"spawn-{i}")
                      for i in range(max(1, spawn_threads))]
     self._teardown_threads = [threading.Thread(target=self._teardown_loop, daemon=True,
@@ -91,23 +105,31 @@ class WarmPool:
       return hostcheck.HostFeatures(**{**self.features.__dict__, "namespaces": False}).describe()
     return self.features.describe()
 
-  def _spawn_loop(self) -> None:
-    try:
-      self._spawn_until_closed()
-    finally:
-      # bwrap --die-with-parent ties each sandbox to the thread that started it: had this
-      # thread ended while a slot it started was being torn down, the kernel would kill that
-      # bwrap before it reaped the sandbox's init, orphaning the init to the host's init, which
-      # may reap it only seconds later (and until then it counts, see `Slot.close`). So the
-      # thread outlives the pool's teardown (bounded: close() sets this after its own waits).
-      self._torn_down.wait(120)
+  def _shrink(self) -> float | None:
+    """Lowers the target by one after a quiet spell; returns when to look again (None: never,
+    the target is at its floor). Called with the lock held."""
+    if self.target <= self.size:
+      return None
+    quiet_until = self._last_miss + self.shrink_after_s
+    now = time.monotonic()
+    if now < quiet_until:
+      return quiet_until - now
+    self.target -= 1
+    self._last_miss = now  # The next step down waits another quiet spell.
+    self.stats["shrunk"] += 1
+    if len(self._idle) > self.target:
+      slot = self._idle.pop()  # The newest: the oldest go out first through acquire.
+      slot.kill()
+      self._teardown.put((slot, True))
+    return self.shrink_after_s
 
-  def _spawn_until_closed(self) -> None:
+  def _spawn_loop(self) -> None:
     while True:
       with self._cv:
         while not self._closed:
-          if len(self._idle) + self._starting >= self.size or self._live >= self.max_live:
-            self._cv.wait()
+          shrink_in = self._shrink()
+          if len(self._idle) + self._starting >= self.target or self._live >= self.max_live:
+            self._cv.wait(shrink_in)
             continue
           defer = self._last_acquire + self.refill_delay_s - time.monotonic()
           if self._idle and defer > 0:
@@ -122,10 +144,11 @@ class WarmPool:
       slot = None
       try:
         slot = slot_lib.Slot(self.root, self.features, degraded=self.degraded,
-                             opt_dir=self.opt_dir)
+                             launcher=self.launcher)
         slot.wait_ready()
-      except Exception:  # pylint: disable=broad-except
+      except Exception as e:  # pylint: disable=broad-except
         self.stats["spawn_failures"] += 1
+        self.last_spawn_error = str(e)
         if slot is not None:
           slot.cleanup()  # Here, not queued: close() may have stopped the teardown threads.
         with self._cv:
@@ -168,13 +191,21 @@ class WarmPool:
     """Returns a ready, unused sandbox; blocks while none is idle."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     with self._cv:
+      if not self._idle and not self._closed:
+        # A miss: demand outran the refill. Keep more slots ready from now on.
+        self.stats["misses"] += 1
+        self._last_miss = time.monotonic()
+        if self.target < self.max_idle:
+          self.target += 1
+          self.stats["grown"] += 1
+        self._cv.notify_all()
       while True:
         if self._closed:
           raise slot_lib.SlotError("pool is closed")
         while self._idle:
           slot = self._idle.popleft()
           self._cv.notify_all()
-          if slot.proc.poll() is None:
+          if slot.alive():
             self.stats["acquired"] += 1
             self._last_acquire = time.monotonic()
             return slot
@@ -194,19 +225,23 @@ class WarmPool:
     self._teardown.put((slot, True))
 
   def wait_warm(self, timeout_s: float = 30.0) -> None:
-    """Blocks until `size` sandboxes are idle (for benchmarks and tests)."""
+    """Blocks until `target` sandboxes are idle (for benchmarks and tests)."""
     deadline = time.monotonic() + timeout_s
     with self._cv:
-      while len(self._idle) < self.size:
+      while len(self._idle) < self.target:
         left = deadline - time.monotonic()
         if left <= 0:
           raise slot_lib.SlotError(f"pool did not warm up in {timeout_s}s")
         self._cv.wait(left)
 
   def idle_pids(self) -> list[int]:
-    """Host pids of the idle sandboxes' outer bwrap processes (for memory accounting)."""
+    """Host pids of the idle sandboxes' outer processes (for memory accounting)."""
     with self._cv:
-      return [s.proc.pid for s in self._idle]
+      return [s.pid for s in self._idle]
+
+  def idle_count(self) -> int:
+    with self._cv:
+      return len(self._idle)
 
   def close(self) -> None:
     with self._cv:
@@ -219,14 +254,13 @@ class WarmPool:
     for slot in idle:
       slot.kill()
       self._teardown.put(slot)
-    # Teardown first, then the spawner threads (see _spawn_loop).
+    for t in self._threads:
+      t.join(timeout=20)  # A start in flight ends in a cleanup of its own (see _spawn_loop).
     for _ in self._teardown_threads:
       self._teardown.put(None)
     for t in self._teardown_threads:
       t.join(timeout=60)
-    self._torn_down.set()
-    for t in self._threads:
-      t.join(timeout=20)
+    self.launcher.close()  # Kills anything still there, which nothing should be.
     if self._own_root:
       shutil.rmtree(self.root, ignore_errors=True)
 

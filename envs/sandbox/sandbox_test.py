@@ -16,6 +16,7 @@ import pytest
 
 from envs import sandbox
 from envs.sandbox import hostcheck
+from envs.sandbox import launcher
 from envs.sandbox import pool as pool_lib
 from envs.sandbox import slot as slot_lib
 from testlib import waiting
@@ -63,7 +64,7 @@ def test_public_interface():
   assert r.stderr == ""
   assert r.timed_out is False
   assert r.violations == []
-  assert r.isolation.startswith("bwrap")
+  assert r.isolation.startswith("namespaces")
 
 
 def test_shell_command_and_stderr(pool):
@@ -331,7 +332,7 @@ def held(pool):
 @pytest.mark.parametrize("degraded", [False, True], ids=["namespaces", "degraded"])
 def test_process_limit_is_per_sandbox(held, degraded):
   # Another sandbox's processes do not count against this one's limit. The degraded sandbox
-  # gets the host's pids cgroup, as a bwrap sandbox does; before, its RLIMIT_NPROC (nproc + 8)
+  # gets the host's pids cgroup, as a namespaced sandbox does; before, its RLIMIT_NPROC (nproc + 8)
   # counted every uid-nobody process on the host and its forks failed ("Cannot fork").
   del held
   with pool_lib.WarmPool(size=1, force_degraded=degraded) as other:
@@ -355,12 +356,14 @@ def test_shared_process_limit_is_reported(held):
   del held
   features = dataclasses.replace(hostcheck.detect(), cgroup_memory=None, cgroup_pids=None)
   root = _slot_root()
-  s = slot_lib.Slot(root, features, degraded=True)
+  spawn = launcher.Launcher(features, slot_lib.prepare_opt(features, root), root)
+  s = slot_lib.Slot(root, features, degraded=True, launcher=spawn)
   try:
     s.wait_ready()
     r = s.exec(_FORK_TEN, nproc=16)
   finally:
     s.cleanup()
+    spawn.close()
     shutil.rmtree(root)
   assert r.isolation.startswith("DEGRADED") and "process limit SHARED" in r.isolation, r
   assert r.exit_code != 0 and "Cannot fork" in r.stderr, r
@@ -401,7 +404,7 @@ def test_close_returns_once_every_process_is_gone(degraded):
     try:
       assert s.exec(["true"]).exit_code == 0
       assert s.spare_pid() is not None  # Answered once the spare after the exec exists.
-      procs = _tree(s.proc.pid)
+      procs = _tree(s.pid)
       assert len(procs) >= 2, procs  # At least the zygote and its spare.
     finally:
       s.close()

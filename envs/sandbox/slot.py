@@ -1,6 +1,9 @@
-"""One pre-started sandbox: a bubblewrap container running the zygote, with a private directory.
+"""One pre-started sandbox: new namespaces running the zygote, with a private directory.
 
-A slot is started ahead of demand (by `pool`), used by exactly one episode, then destroyed:
+The pool's spawn helper (`launcher`, `spawner`) forks the sandbox into new user, mount, PID,
+network, IPC, UTS and cgroup namespaces and its own cgroups (bwrap's isolation, set up with the
+same system calls; see `spawner`). A slot is started ahead of demand (by `pool`), used by exactly
+one episode, then destroyed:
 killing the zygote, PID 1 of the sandbox's PID namespace, takes down every process inside, and
 `close` returns only once they are all gone (see there). Single use is what guarantees that an
 episode never sees another episode's files or processes.
@@ -19,7 +22,7 @@ Machine state: a fresh slot's workspace is an empty host directory bind-mounted 
 task snapshot is materialized into it by `populate` as plain file copies from the snapshot held
 in memory (a few hundred microseconds for a small repository). Not hardlinks: a hardlink farm
 shares inodes, so one in-place write would corrupt the snapshot for every later episode. Not
-overlayfs: bwrap can only set an overlay up at start, which would tie warm slots to one snapshot.
+overlayfs: it is set up at the sandbox's start, which would tie warm slots to one snapshot.
 After sandboxed code has run, the host never touches the workspace directly (a planted symlink
 would redirect a root-owned write or read to a host path); later reads and writes go through the
 zygote, inside the sandbox's view.
@@ -27,15 +30,11 @@ zygote, inside the sandbox's view.
 
 from __future__ import annotations
 
-# Imported before any slot spawns (see slot_fork_hooks_test): it registers paired at-fork hooks on
-# first import, and a spawn with a preexec_fn runs those hooks; a pair registered mid-spawn would
-# get an unmatched release that breaks a concurrent executor's submit.
-import concurrent.futures.thread  # pylint: disable=unused-import
 import dataclasses
+import functools
 import itertools
 import json
 import os
-import resource
 import select
 import shutil
 import signal
@@ -45,10 +44,12 @@ import threading
 import time
 
 from envs.sandbox import hostcheck
+from envs.sandbox import launcher as launcher_lib
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _IDS = itertools.count()
-_IN_SANDBOX = ("zygote.py", "command_process.py", "audit_hook.py", "testrunner.py")
+_IN_SANDBOX = ("spawner.py", "zygote.py", "command_process.py", "audit_hook.py",
+               "testrunner.py")
 _DEFAULT_MEMORY_MB = 512
 _DEFAULT_NPROC = 64
 # RLIMIT_NPROC above `nproc` where it is the process bound: it counts the zygote, its spare and
@@ -131,10 +132,10 @@ def _cgroup_write(path: str, value: str) -> None:
 class Slot:
   """A started sandbox. Not thread-safe for concurrent requests; one episode owns it."""
 
-  def __init__(self, root: str, features: hostcheck.HostFeatures, *, degraded: bool = False,
-               opt_dir: str | None = None):
+  def __init__(self, root: str, features: hostcheck.HostFeatures, *,
+               launcher: launcher_lib.Launcher, degraded: bool = False):
     self.id = next(_IDS)
-    self.opt_dir = opt_dir or prepare_opt(features, root)
+    self.opt_dir = launcher.opt_dir
     self.features = features
     self.degraded = degraded
     self.dir = os.path.join(root, f"slot-{self.id}")
@@ -154,10 +155,7 @@ class Slot:
         except OSError:
           pass
     # What this sandbox really got: a cgroup that could not be made is not there.
-    self.effective = dataclasses.replace(
-        features, namespaces=features.namespaces and not degraded,
-        cgroup_memory=self.cgroups.get("memory"), cgroup_pids=self.cgroups.get("pids"))
-    self.isolation = self.effective.describe()
+    self.effective, self.isolation = _effective(features, degraded, tuple(sorted(self.cgroups)))
     # False at the end of `close` if some process of the sandbox outlived its bounded wait.
     self.processes_gone: bool | None = None
     self.used = False
@@ -170,35 +168,28 @@ class Slot:
     # None when a request since may have moved them (then they are read again).
     self._counts: dict[str, int] | None = None
     self.started_at = time.monotonic()
-    self.proc = subprocess.Popen(
-        self._argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-        env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, cwd=self.dir,
-        preexec_fn=self._preexec, close_fds=True)
-    self._w = self.proc.stdin.fileno()
-    self._r = self.proc.stdout.fileno()
+    try:
+      # The default limits before anything runs in the cgroups, so an exec with the defaults
+      # writes nothing.
+      self._set_limits(_DEFAULT_MEMORY_MB, _DEFAULT_NPROC)
+      self.spawned, self._w, self._r = launcher.spawn(
+          workspace=self.workspace, namespaces=not degraded,
+          cgroup_procs=[os.path.join(p, "cgroup.procs") for p in self.cgroups.values()],
+          nproc_cap=self.features.nproc_cap if "pids" in self.cgroups else 0)
+    except Exception as e:
+      self.closed = True
+      self._remove()
+      raise SlotError(f"sandbox {self.id} did not start: {e}") from e
+    self.pid = self.spawned.pid
     self.zygote_pid = None
     self.runner_path = (os.path.join(self.opt_dir, "testrunner.py") if degraded else
                         "/opt/envs/testrunner.py")
 
   # -- start -----------------------------------------------------------------------------------
 
-  def _argv(self) -> list[str]:
-    if self.degraded:
-      # No namespaces: the zygote runs on the host, confined to rlimits, uid and pgid kills.
-      return [self.features.python or "python3", "-s", "-B",
-              os.path.join(self.opt_dir, "zygote.py"), f"--workspace={self.workspace}"]
-    argv = [self.features.bwrap, "--unshare-user", "--unshare-all", "--die-with-parent",
-            "--as-pid-1", "--disable-userns", "--new-session", "--hostname", "sandbox",
-            "--ro-bind", "/usr", "/usr", "--symlink", "usr/lib", "/lib", "--symlink",
-            "usr/lib64", "/lib64", "--symlink", "usr/bin", "/bin", "--symlink", "usr/sbin",
-            "/sbin", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
-            "--bind", self.workspace, "/workspace",
-            "--ro-bind", self.opt_dir, "/opt/envs",
-            "--ro-bind", os.path.join(os.path.dirname(self.opt_dir), "opt_site"),
-            "/opt/envs_site"]
-    argv += ["--remount-ro", "/", "--chdir", "/workspace", self.features.python, "-s", "-B",
-             "/opt/envs/zygote.py", "--ns"]
-    return argv
+  def alive(self) -> bool:
+    """Whether the sandbox's outer process is still running."""
+    return not _exited(self.spawned.pidfd)
 
   def _rlimit_nproc(self, nproc: int) -> int:
     """RLIMIT_NPROC for a command allowed `nproc` processes (see the module docstring)."""
@@ -206,39 +197,12 @@ class Slot:
       return max(self.features.nproc_cap, nproc + _NPROC_SLACK)
     return nproc + _NPROC_SLACK
 
-  def _preexec(self) -> None:
-    # Runs in the forked child before exec: only raw os calls (no locks) are safe here.
-    pid = str(os.getpid()).encode()
-    for path in self.cgroups.values():
-      fd = os.open(os.path.join(path, "cgroup.procs"), os.O_WRONLY)
-      os.write(fd, pid)
-      os.close(fd)
-    if "pids" in self.cgroups and self.features.nproc_cap:
-      # The host-wide cap, set before bwrap makes the user namespace: the kernel takes the
-      # namespace's limit on all tasks of the uid (host-wide, every sandbox's) from here.
-      cap = self.features.nproc_cap
-      resource.setrlimit(resource.RLIMIT_NPROC, (cap, cap))
-    if self.features.is_root:
-      try:
-        # The zygote should survive an OOM; sandboxed code raises its own score to 1000 anyway.
-        fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
-        try:
-          os.write(fd, b"-1000")
-        finally:
-          os.close(fd)
-      except OSError:
-        pass  # Not permitted in some containers.
-      os.setgroups([])
-      os.setgid(self.uid)
-      os.setuid(self.uid)
-    if self.degraded:
-      os.chdir(self.workspace)
-
   def wait_ready(self, timeout_s: float = 10.0) -> None:
-    resp = self._recv(timeout_s)
+    try:
+      resp = self._recv(timeout_s)
+    except ValueError as e:  # The set-up failed and said why.
+      raise SlotError(f"sandbox {self.id}: {e}") from e
     self.zygote_pid = resp["pid"]
-    # Set the default limits now, off the critical path: an exec with defaults writes nothing.
-    self._set_limits(_DEFAULT_MEMORY_MB, _DEFAULT_NPROC)
     self._counts = self._read_counts()
     self.ready_s = time.monotonic() - self.started_at
 
@@ -264,7 +228,7 @@ class Slot:
         continue
       chunk = os.read(self._r, min(n, 1 << 20))
       if not chunk:
-        raise SlotError(f"sandbox {self.id} exited unexpectedly (rc={self.proc.poll()})")
+        raise SlotError(f"sandbox {self.id} exited unexpectedly (alive={self.alive()})")
       chunks.append(chunk)
       n -= len(chunk)
     return b"".join(chunks)
@@ -400,21 +364,19 @@ class Slot:
       return
     self._killed = True
     if not self.degraded:
-      # Kill the namespace's init (the zygote), not bwrap: the kernel then kills everything else
-      # in the namespace, and the init's exit completes only once all of it has been reaped;
-      # bwrap, its parent, reaps it and exits. So bwrap's exit means every process is gone.
-      # (Killing bwrap instead would leave the init to die later, reparented elsewhere.)
-      self._init_killed = self._kill_ns_init()
+      # Kill the namespace's init (the zygote), through its pidfd: the kernel then kills
+      # everything else in the namespace, and the init's exit completes only once all of it has
+      # been reaped; its parent (the sandbox's outer process) reaps it and exits. So the outer
+      # process's exit means every process is gone.
+      self._init_killed = _pidfd_kill(self.spawned.init_pidfd)
       if not self._init_killed:
-        _kill(self.proc)
+        _pidfd_kill(self.spawned.pidfd)
     else:
       # Without namespaces the zygote is the subreaper of everything it started: at EOF on its
-      # control pipe it kills and reaps every one, then exits. (Killed first, its processes
-      # would be orphaned to the host's init, which may take seconds to reap them.)
-      try:
-        self.proc.stdin.close()
-      except OSError:
-        pass
+      # control pipe it kills and reaps every one, says so, then exits. (Killed first, its
+      # processes would be orphaned to the host's init, which may take seconds to reap them.)
+      _close(self._w)
+      self._w = -1
 
   def close(self) -> None:
     """Kills the sandbox and every process in it, and waits until they are gone; idempotent.
@@ -429,24 +391,23 @@ class Slot:
     self.closed = True
     self.kill()
     self.processes_gone = self._wait_gone(time.monotonic() + _TEARDOWN_S)
-    for f in (self.proc.stdin, self.proc.stdout):
-      try:
-        f.close()
-      except OSError:
-        pass
+    for fd in (self._w, self._r, self.spawned.pidfd, self.spawned.init_pidfd):
+      _close(fd)
+    self._w = self._r = -1
 
   def _wait_gone(self, deadline: float) -> bool:
     left = lambda: max(0.0, deadline - time.monotonic())
     if self.degraded:
-      # Busy or stuck if not done in time: killed; then what it left is found only through a
-      # cgroup.
-      gone = _wait_exit(self.proc, min(_DEGRADED_EXIT_S, left())) and self.proc.returncode == 0
-      _kill(self.proc)
+      # Busy or stuck if it has not said it is done in time: killed; then what it left is
+      # found only through a cgroup.
+      gone = self._said_bye(time.monotonic() + min(_DEGRADED_EXIT_S, left()))
+      if not gone:
+        _pidfd_kill(self.spawned.pidfd)
     else:
       gone = self._init_killed
-    if not _wait_exit(self.proc, left()):
-      _kill(self.proc)
-      _wait_exit(self.proc, 1.0)
+    if not _wait_pidfd(self.spawned.pidfd, left()):
+      _pidfd_kill(self.spawned.pidfd)
+      _wait_pidfd(self.spawned.pidfd, 1.0)
       return False
     # Where there is a cgroup it has the last word: kill whatever is in it until nothing is.
     for ctl in ("pids", "memory"):
@@ -454,29 +415,18 @@ class Slot:
         return _empty_cgroup(self.cgroups[ctl], ctl, deadline)
     return gone
 
-  def _kill_ns_init(self) -> bool:
-    """SIGKILLs the sandbox's PID 1 through a pidfd; False if it could not be found."""
-    bwrap = self.proc.pid
-    for pid in _children(bwrap):
-      try:
-        fd = os.pidfd_open(pid)
-      except OSError:
-        continue
-      try:
-        # Checked after opening the pidfd, which pins the process: a pid reused since the
-        # listing would not be bwrap's child (bwrap forks only the init).
-        if _ppid(pid) == bwrap:
-          signal.pidfd_send_signal(fd, signal.SIGKILL)
-          return True
-      except OSError:
-        pass
-      finally:
-        os.close(fd)
-    return False
+  def _said_bye(self, deadline: float) -> bool:
+    """Whether a degraded zygote reported, after its control pipe closed, that it killed and
+    reaped every process it started."""
+    try:
+      while True:
+        resp = self._recv(max(0.0, deadline - time.monotonic()))
+        if resp.get("bye"):
+          return bool(resp.get("clean"))
+    except (SlotError, ValueError):
+      return False
 
-  def cleanup(self) -> None:
-    """Removes the slot's directory and cgroups; call after close()."""
-    self.close()
+  def _remove(self) -> None:
     for path in self.cgroups.values():
       for _ in range(200):
         try:
@@ -489,6 +439,12 @@ class Slot:
           _kill_cgroup(path)
           time.sleep(0.005)
     shutil.rmtree(self.dir, ignore_errors=True)
+
+  def cleanup(self) -> None:
+    """Kills the sandbox, waits until its processes are gone, removes its directory and
+    cgroups."""
+    self.close()
+    self._remove()
 
 
 def _cgroup_violations(before: dict[str, int], after: dict[str, int],
@@ -552,65 +508,41 @@ def sweep_stale(features: hostcheck.HostFeatures, tmp_root: str = "/tmp") -> int
   return removed
 
 
-def _wait_exit(proc: subprocess.Popen, timeout_s: float) -> bool:
-  """Waits up to timeout_s for proc to exit and reaps it; True if it did.
+@functools.lru_cache(maxsize=None)
+def _effective(features: hostcheck.HostFeatures, degraded: bool,
+               cgroups: tuple[str, ...]) -> tuple[hostcheck.HostFeatures, str]:
+  """A sandbox's features and isolation string, worked out once per kind of sandbox."""
+  effective = dataclasses.replace(
+      features, namespaces=features.namespaces and not degraded,
+      cgroup_memory=features.cgroup_memory if "memory" in cgroups else None,
+      cgroup_pids=features.cgroup_pids if "pids" in cgroups else None)
+  return effective, effective.describe()
 
-  Through a pidfd, so it returns as the process exits (Popen.wait(timeout) polls, up to 50 ms
-  late).
-  """
-  if proc.poll() is not None:
-    return True
+
+def _exited(pidfd: int) -> bool:
+  return bool(select.select([pidfd], [], [], 0)[0])
+
+
+def _wait_pidfd(pidfd: int, timeout_s: float) -> bool:
+  """Waits up to timeout_s for the process to exit; True if it did. A pidfd becomes readable
+  as the process exits, so this returns at once (Popen.wait(timeout) polls, up to 50 ms late)."""
+  return bool(select.select([pidfd], [], [], max(0.0, timeout_s))[0])
+
+
+def _pidfd_kill(pidfd: int) -> bool:
   try:
-    fd = os.pidfd_open(proc.pid)
+    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    return True
   except OSError:
-    fd = None  # Already reaped elsewhere, or no pidfds (Linux < 5.3): poll instead.
-  if fd is not None:
+    return False  # Already exited.
+
+
+def _close(fd: int) -> None:
+  if fd >= 0:
     try:
-      select.select([fd], [], [], timeout_s)
-    finally:
       os.close(fd)
-    timeout_s = 0.0
-  try:
-    proc.wait(timeout_s)
-    return True
-  except subprocess.TimeoutExpired:
-    return False
-
-
-def _kill(proc: subprocess.Popen) -> None:
-  try:
-    proc.kill()
-  except OSError:
-    pass
-
-
-def _children(pid: int) -> list[int]:
-  """The children of `pid` (from /proc/PID/task/*/children, or a scan of /proc without it)."""
-  try:
-    tids = os.listdir(f"/proc/{pid}/task")
-  except OSError:
-    return []
-  out = []
-  try:
-    for tid in tids:
-      with open(f"/proc/{pid}/task/{tid}/children") as f:
-        out += [int(c) for c in f.read().split()]
-    return out
-  except FileNotFoundError:
-    if not os.path.exists(f"/proc/{pid}/task/{tids[0]}/children"):
-      # No CONFIG_PROC_CHILDREN in this kernel.
-      return [int(n) for n in os.listdir("/proc") if n.isdigit() and _ppid(int(n)) == pid]
-    return out  # A thread ended during the listing.
-  except (OSError, ValueError):
-    return out
-
-
-def _ppid(pid: int) -> int | None:
-  try:
-    with open(f"/proc/{pid}/stat", "rb") as f:
-      return int(f.read().rsplit(b")", 1)[1].split()[1])
-  except (OSError, IndexError, ValueError):
-    return None
+    except OSError:
+      pass
 
 
 def _empty_cgroup(path: str, ctl: str, deadline: float) -> bool:

@@ -1,14 +1,15 @@
 """The zygote that runs inside each sandbox (stdlib only, runs under the system python3).
 
 Why a zygote: a fresh Python interpreter costs 8-50 ms to start; forking one that has already
-started costs well under a millisecond. The host starts this program inside bubblewrap ahead of
-demand (see `slot`), so handing an episode a sandbox is a pipe round trip. The zygote also
+started costs well under a millisecond. The spawn helper (`spawner`), which has this module
+imported, forks it into each new sandbox's namespaces ahead of demand (see `slot`, `pool`), so
+handing an episode a sandbox is a pipe round trip. The zygote also
 keeps one command process forked ahead of demand (`command_process`, the "spare"), which waits on a
 pipe for its request, so running a command costs a pipe write rather than a fork: `python3
 main.py` then runs in the spare itself ("fast path", no interpreter start) and other commands
 (`sh -c ...`, `git`, a python with unusual flags) exec from it.
 
-In namespace mode the zygote is PID 1 of the sandbox's PID namespace (bwrap --as-pid-1). That
+In namespace mode the zygote is PID 1 of the sandbox's PID namespace . That
 buys three things: code inside cannot kill it (the kernel ignores signals to a namespace's init
 from inside), it reaps every orphan, and `kill(-1, SIGKILL)` from it kills every other process in
 the sandbox, so after each command nothing is left running (daemons included). It also makes
@@ -165,6 +166,12 @@ class Zygote:
       req = _recv(self.ctl_r)
       if req is None:
         self._kill_all()
+        if not self.ns_mode:
+          # The host waits for this before it counts the sandbox as gone (see slot.close).
+          try:
+            _send(self.ctl_w, {"ok": True, "bye": True, "clean": not self._others()})
+          except OSError:
+            pass
         return
       try:
         resp = getattr(self, "op_" + req["op"])(req)

@@ -1,0 +1,152 @@
+"""Host side of the spawn helper (`spawner`): starts it once, asks it for sandboxes.
+
+The helper is started with a plain fork + exec (`subprocess.Popen` without `preexec_fn`, whose
+child runs no Python and no at-fork hooks), as the sandbox uid, in its own session, with its
+OOM score set from here. So starting a sandbox never forks this process, which may be running
+threads (JAX's, the pool's) and for which `os.fork` is unsafe (JAX warns "os.fork() was
+called..."); the forks happen in the single-threaded helper.
+
+One helper per pool. It has no PR_SET_PDEATHSIG (that would tie it to the thread that started
+it); it exits, killing every sandbox it made, at EOF on its socket, which comes when this
+process closes it or dies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import threading
+import time
+
+from envs.sandbox import hostcheck
+
+
+class SpawnError(RuntimeError):
+  """The helper could not make a sandbox."""
+
+
+@dataclasses.dataclass
+class Spawned:
+  """A sandbox's processes as the helper reports them (host pids, and pidfds of both).
+
+  pid: C, the sandbox's outer process; it exits only once every process of the sandbox is gone.
+  init: Z, the sandbox's PID 1 (the zygote); the same as pid in degraded mode.
+  """
+  pid: int
+  init: int
+  pidfd: int
+  init_pidfd: int
+
+
+class Launcher:
+  """The spawn helper process and the socket to it. Thread-safe."""
+
+  def __init__(self, features: hostcheck.HostFeatures, opt_dir: str, root: str):
+    self.features = features
+    self.opt_dir = opt_dir
+    self.site_dir = os.path.join(os.path.dirname(opt_dir), "opt_site")
+    # An empty directory each sandbox mounts its own new root (a tmpfs) on, in its own mount
+    # namespace.
+    self.newroot = os.path.join(root, "newroot")
+    os.makedirs(self.newroot, exist_ok=True)
+    os.chmod(self.newroot, 0o755)
+    self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    kw = {}
+    if features.is_root:
+      kw = dict(user=hostcheck.SANDBOX_UID, group=hostcheck.SANDBOX_UID, extra_groups=[])
+    try:
+      self.proc = subprocess.Popen(
+          [features.python or "python3", "-s", "-B", os.path.join(opt_dir, "spawner.py"),
+           str(theirs.fileno())], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+          stdout=subprocess.DEVNULL, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+          cwd=root, start_new_session=True, close_fds=True, **kw)
+    finally:
+      theirs.close()
+    if features.is_root:
+      try:
+        # Inherited by every sandbox's processes: the zygote should survive an OOM (sandboxed
+        # code raises its own score to 1000).
+        with open(f"/proc/{self.proc.pid}/oom_score_adj", "w") as f:
+          f.write("-1000")
+      except OSError:
+        pass  # Not permitted in some containers.
+    self._lock = threading.Lock()
+    self._ids = itertools.count()
+
+  def spawn(self, *, workspace: str, cgroup_procs: list[str], namespaces: bool,
+            nproc_cap: int, timeout_s: float = 10.0) -> tuple[Spawned, int, int]:
+    """Starts one sandbox; returns its processes and the host's ends of its control pipe
+    (write, read). The sandbox joins the cgroups whose cgroup.procs paths are given before
+    anything runs in it."""
+    to_zygote_r, to_zygote_w = os.pipe()
+    from_zygote_r, from_zygote_w = os.pipe()
+    fds = [to_zygote_r, from_zygote_w]
+    try:
+      for path in cgroup_procs:
+        fds.append(os.open(path, os.O_WRONLY | os.O_CLOEXEC))
+      req = {"ns": namespaces, "workspace": workspace, "opt": self.opt_dir,
+             "site": self.site_dir, "newroot": self.newroot, "nproc_cap": nproc_cap}
+      with self._lock:
+        req["id"] = next(self._ids)
+        try:
+          socket.send_fds(self._sock, [json.dumps(req).encode()], fds)
+        except OSError as e:
+          raise SpawnError(f"spawn helper is gone ({e}; rc={self.proc.poll()})") from e
+        reply, got = self._recv(req["id"], time.monotonic() + timeout_s)
+    except BaseException:
+      os.close(to_zygote_w)
+      os.close(from_zygote_r)
+      raise
+    finally:
+      for fd in fds:
+        os.close(fd)
+    if "error" in reply:
+      for fd in got:
+        os.close(fd)
+      os.close(to_zygote_w)
+      os.close(from_zygote_r)
+      raise SpawnError(reply["error"])
+    pidfd = got[0]
+    init_pidfd = got[1] if len(got) > 1 else os.dup(pidfd)
+    return (Spawned(reply["pid"], reply["init"], pidfd, init_pidfd), to_zygote_w,
+            from_zygote_r)
+
+  def _recv(self, want: int, deadline: float) -> tuple[dict, list[int]]:
+    while True:
+      left = deadline - time.monotonic()
+      if left <= 0 or not select.select([self._sock], [], [], left)[0]:
+        raise SpawnError(f"spawn helper did not answer in time (rc={self.proc.poll()})")
+      msg, fds, _, _ = socket.recv_fds(self._sock, 1 << 16, 8)
+      if not msg:
+        raise SpawnError(f"spawn helper exited (rc={self.proc.poll()})")
+      reply = json.loads(msg)
+      if reply.get("id") == want:
+        return reply, fds
+      # A late answer to a request that timed out: nobody waits for that sandbox. Killing its
+      # init (the last pidfd) takes down all of it.
+      if fds:
+        try:
+          signal.pidfd_send_signal(fds[-1], signal.SIGKILL)
+        except OSError:
+          pass
+      for fd in fds:
+        os.close(fd)
+
+  def close(self) -> None:
+    """Closes the socket: the helper kills every sandbox it made and exits."""
+    try:
+      self._sock.close()
+    except OSError:
+      pass
+    try:
+      self.proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+      self.proc.kill()
+      self.proc.wait(timeout=10)
+

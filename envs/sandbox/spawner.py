@@ -1,0 +1,379 @@
+"""The spawn helper: makes sandboxes by forking an interpreter that has the zygote imported.
+
+Runs on the host (stdlib only, under the system python3, as the sandbox uid), started once per
+pool by `launcher` through a plain fork + exec (no Python runs in a forked child of the host,
+whose threads, JAX's among them, make `os.fork` unsafe there). It is single-threaded, so forking
+it is safe.
+
+Why: a sandbox used to be bubblewrap exec'ing a fresh `python3 zygote.py`. The interpreter's
+start and the zygote's imports were most of a start (about 15 of 25 ms of CPU on 2 cores) and
+what bounded burst throughput. Forked from here, a sandbox costs a fork and the namespace and
+mount set-up, the same set-up bubblewrap does, done here with the same system calls:
+
+  C, a fork of this process: joins the sandbox's cgroups (through cgroup.procs descriptors the
+  host opened), sets the host-wide RLIMIT_NPROC cap, unshares user (root inside mapped to the
+  sandbox uid), mount, PID, network, IPC, UTS and cgroup namespaces, forks the sandbox's init Z,
+  answers the host with pidfds of both, and waits for Z. C exits only once Z has been reaped,
+  which completes only once every process of the PID namespace has been reaped (as bwrap did).
+
+  Z, PID 1 of the new PID namespace: builds the root (a fresh tmpfs holding /usr read-only,
+  /proc, a minimal /dev, a fresh /tmp, the workspace, the programs read-only at /opt/envs),
+  pivots into it and detaches the host's tree, remounts / read-only, brings up loopback, sets the
+  hostname, caps user namespaces at the one it then enters (uid nobody inside, no capabilities,
+  no_new_privs: `--disable-userns`), and becomes the zygote.
+
+Every sandbox gets new namespaces, a new tmpfs /tmp and /dev, and a new cgroup; nothing but
+this program's read-only code pages is shared between sandboxes. Death: C and Z have
+PR_SET_PDEATHSIG, and this program kills every C at EOF on its socket (the host process gone).
+
+Degraded mode (no user namespaces): C joins the cgroups, sets the rlimit, moves to the
+workspace and becomes the zygote on the host.
+
+Protocol (SOCK_SEQPACKET, fds by SCM_RIGHTS): request {"id", "ns", "workspace", "opt", "site",
+"newroot", "nproc_cap", "cgroups": n} with fds [zygote's control read end, its control write
+end, n cgroup.procs descriptors]; the reply, sent by C, {"id", "pid", "init"} with [pidfd of C,
+pidfd of Z] (just C's in degraded mode), or {"id", "error"}.
+"""
+
+import ctypes
+import gc
+import json
+import os
+import platform
+import resource
+import signal
+import socket
+import struct
+import sys
+import traceback
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWCGROUP = 0x02000000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_SILENT = 32, 4096, 16384, 32768
+MS_SLAVE = 1 << 19
+# Flags a bind mount keeps from its source (locked in a user namespace, so a remount that
+# dropped them would fail); statvfs's ST_* values are the same bits.
+_KEPT = MS_NOSUID | MS_NODEV | MS_NOEXEC | 1024 | 2048 | (1 << 21)  # + noatime, nodiratime, relatime
+MNT_DETACH = 2
+PR_SET_PDEATHSIG = 1
+PR_CAPBSET_DROP = 24
+PR_SET_NO_NEW_PRIVS = 38
+PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
+_SYSCALLS = {"x86_64": {"pivot_root": 155, "capset": 126},
+             "aarch64": {"pivot_root": 41, "capset": 91}}
+SANDBOX_UID = 65534  # Inside the sandbox (the final user namespace), as bwrap's default.
+_DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+
+
+def _check(ret, what):
+  if ret != 0:
+    err = ctypes.get_errno()
+    raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _mount(source, target, fstype, flags, data=None):
+  enc = lambda s: None if s is None else s.encode()
+  _check(_libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
+         f"mount {source} on {target}")
+
+
+def _syscall(name, *args):
+  return _libc.syscall(_SYSCALLS[platform.machine()][name], *args)
+
+
+def _write(path, text):
+  fd = os.open(path, os.O_WRONLY)
+  try:
+    os.write(fd, text.encode())
+  finally:
+    os.close(fd)
+
+
+def _map_ids(inside, outside):
+  """Maps one uid and gid of a just-made user namespace (all an unprivileged process may)."""
+  _write("/proc/self/setgroups", "deny")
+  _write("/proc/self/uid_map", f"{inside} {outside} 1")
+  _write("/proc/self/gid_map", f"{inside} {outside} 1")
+
+
+def _bind(source, target, *, readonly, devices=False):
+  _mount(source, target, None, MS_BIND | MS_REC | MS_SILENT)
+  flags = (os.statvfs(target).f_flag & _KEPT) | MS_NOSUID | (0 if devices else MS_NODEV)
+  _mount(None, target, None, MS_BIND | MS_REMOUNT | flags | (MS_RDONLY if readonly else 0))
+
+
+def _build_root(req):
+  """The sandbox's file system, as bwrap's --ro-bind /usr, --proc, --dev, --tmpfs /tmp,
+  --bind WS /workspace and --remount-ro / made it (see envs/README.md, "Isolation")."""
+  _mount(None, "/", None, MS_SLAVE | MS_REC | MS_SILENT)
+  new = req["newroot"]
+  _mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755")
+  for d in ("usr", "proc", "dev", "tmp", "workspace", "opt", "opt/envs", "opt/envs_site"):
+    os.mkdir(os.path.join(new, d), 0o755)
+  _bind("/usr", f"{new}/usr", readonly=True)
+  for name, target in (("lib", "usr/lib"), ("lib64", "usr/lib64"), ("bin", "usr/bin"),
+                       ("sbin", "usr/sbin")):
+    os.symlink(target, os.path.join(new, name))
+  _mount("proc", f"{new}/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+  dev = f"{new}/dev"
+  _mount("tmpfs", dev, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755")
+  for name in _DEVICES:
+    if os.path.exists(f"/dev/{name}"):
+      os.close(os.open(f"{dev}/{name}", os.O_CREAT | os.O_WRONLY, 0o666))
+      _bind(f"/dev/{name}", f"{dev}/{name}", readonly=False, devices=True)
+  for name, target in (("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                       ("stderr", "/proc/self/fd/2"), ("fd", "/proc/self/fd"),
+                       ("core", "/proc/kcore"), ("ptmx", "pts/ptmx")):
+    os.symlink(target, f"{dev}/{name}")
+  os.mkdir(f"{dev}/shm", 0o755)
+  os.mkdir(f"{dev}/pts", 0o755)
+  _mount("devpts", f"{dev}/pts", "devpts", MS_NOSUID | MS_NOEXEC,
+         "newinstance,ptmxmode=0666,mode=620")
+  _mount("tmpfs", f"{new}/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755")
+  _bind(req["workspace"], f"{new}/workspace", readonly=False)
+  _bind(req["opt"], f"{new}/opt/envs", readonly=True)
+  _bind(req["site"], f"{new}/opt/envs_site", readonly=True)
+  os.chdir(new)
+  _check(_syscall("pivot_root", b".", b"."), "pivot_root")
+  _check(_libc.umount2(b".", MNT_DETACH), "detach the host's root")
+  os.chdir("/")
+  flags = os.statvfs("/").f_flag & _KEPT
+  _mount(None, "/", None, MS_BIND | MS_REMOUNT | MS_RDONLY | flags)
+
+
+def _loopback_up():
+  s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+  try:
+    import fcntl  # pylint: disable=import-outside-toplevel
+    ifreq = fcntl.ioctl(s, 0x8913, struct.pack("16sH14x", b"lo", 0))  # SIOCGIFFLAGS
+    flags = struct.unpack("16sH14x", ifreq)[1] | 0x1  # IFF_UP
+    fcntl.ioctl(s, 0x8914, struct.pack("16sH14x", b"lo", flags))  # SIOCSIFFLAGS
+  finally:
+    s.close()
+
+
+def _drop_privileges():
+  """Leaves the set-up user namespace for a nested one that can make no more (bwrap's
+  --disable-userns), as uid nobody, with no capabilities and no way to gain any."""
+  _write("/proc/sys/user/max_user_namespaces", "1")
+  _check(_libc.unshare(CLONE_NEWUSER), "unshare the final user namespace")
+  _map_ids(SANDBOX_UID, 0)
+  with open("/proc/sys/kernel/cap_last_cap") as f:
+    last = int(f.read())
+  for cap in range(last + 1):
+    _check(_libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), "drop the bounding set")
+  _check(_libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), "clear ambient caps")
+  header = struct.pack("Ii", 0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+  data = ctypes.create_string_buffer(24)  # two (effective, permitted, inheritable) words, zero
+  _check(_syscall("capset", ctypes.c_char_p(header), data), "capset")
+  _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+
+
+def _close_fds_except(keep):
+  for name in os.listdir("/proc/self/fd"):
+    fd = int(name)
+    if fd not in keep:
+      try:
+        os.close(fd)
+      except OSError:
+        pass
+
+
+def _become_zygote(ctl_r, ctl_w, *, ns_mode, workspace):
+  """Runs the zygote (imported before the fork) on the control pipe; never returns."""
+  import zygote  # pylint: disable=import-outside-toplevel
+  os.dup2(ctl_r, 0)
+  os.dup2(ctl_w, 1)
+  _close_fds_except((0, 1, 2))
+  if ns_mode:
+    sys.path[0] = "/opt/envs"  # Where the programs are inside the sandbox.
+  zygote.WORKSPACE = workspace
+  signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+  code = 0
+  try:
+    zygote.Zygote(ns_mode=ns_mode).serve()
+  except BaseException:  # pylint: disable=broad-except
+    code = 1
+  os._exit(code)
+
+
+def _init(req, ctl_r, ctl_w):
+  """Z: PID 1 of the new namespaces. Builds the sandbox and becomes its zygote."""
+  try:
+    _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")
+    _build_root(req)
+    _loopback_up()
+    _check(_libc.sethostname(b"sandbox", 7), "sethostname")
+    os.setsid()  # bwrap's --new-session: no controlling terminal to inject input into.
+    _drop_privileges()
+    os.chdir("/workspace")
+  except BaseException as e:  # pylint: disable=broad-except
+    _report(ctl_w, f"sandbox set-up failed: {type(e).__name__}: {e}")
+    os._exit(1)
+  if req.get("probe"):
+    body = json.dumps({"ok": True, "probe": True}).encode()
+    os.write(ctl_w, struct.pack(">I", len(body)) + body)
+    os._exit(0)
+  _become_zygote(ctl_r, ctl_w, ns_mode=True, workspace="/workspace")
+
+
+def _report(fd, error):
+  """An error on the zygote's control pipe, where the host waits for its ready message."""
+  body = json.dumps({"ok": False, "error": error}).encode()
+  try:
+    os.write(fd, struct.pack(">I", len(body)) + body)
+  except OSError:
+    pass
+
+
+def _reply(sock, msg, fds=()):
+  socket.send_fds(sock, [json.dumps(msg).encode()], list(fds))
+
+
+def _child(req, fds, sock, parent):
+  """C: a fork of the spawner, one per sandbox. Never returns."""
+  try:
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")
+    if os.getppid() != parent:
+      os._exit(1)  # The spawner died before the death signal was armed.
+    ctl_r, ctl_w, cgroup_fds = fds[0], fds[1], fds[2:]
+    for fd in cgroup_fds:
+      os.write(fd, b"0")  # This process; allowed by the opener's (the host's) credentials.
+      os.close(fd)
+    if req.get("nproc_cap"):
+      # Set before the user namespace is made: the kernel takes the namespace's limit on all
+      # tasks of the uid (host-wide, every sandbox's) from here.
+      cap = int(req["nproc_cap"])
+      resource.setrlimit(resource.RLIMIT_NPROC, (cap, cap))
+    if not req["ns"]:
+      _reply(sock, {"id": req["id"], "pid": os.getpid(), "init": os.getpid()},
+             [os.pidfd_open(os.getpid())])
+      sock.close()
+      os.chdir(req["workspace"])
+      _become_zygote(ctl_r, ctl_w, ns_mode=False, workspace=req["workspace"])
+    uid = os.geteuid()
+    _check(_libc.unshare(CLONE_NEWUSER), "unshare user namespace")
+    _map_ids(0, uid)
+    _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
+                         | CLONE_NEWCGROUP), "unshare namespaces")
+    init = os.fork()
+    if init == 0:
+      sock.close()
+      _init(req, ctl_r, ctl_w)
+    os.close(ctl_r)
+    os.close(ctl_w)
+    _reply(sock, {"id": req["id"], "pid": os.getpid(), "init": init},
+           [os.pidfd_open(os.getpid()), os.pidfd_open(init)])
+    sock.close()
+    while True:
+      try:
+        os.waitpid(init, 0)
+        break
+      except InterruptedError:
+        continue
+      except ChildProcessError:
+        break
+    os._exit(0)
+  except BaseException as e:  # pylint: disable=broad-except
+    try:
+      _reply(sock, {"id": req.get("id"), "error": f"{type(e).__name__}: {e}\n"
+                    f"{traceback.format_exc(limit=4)}"})
+    except BaseException:  # pylint: disable=broad-except
+      pass
+    os._exit(1)
+
+
+def serve(sock):
+  """Forks one C per request until EOF, then kills every C it made (and so their sandboxes)."""
+  import zygote  # pylint: disable=import-outside-toplevel,unused-import
+  # Children are reaped by the kernel: a C that exited never lingers as a zombie counting
+  # against its sandbox's pids cgroup. (C and Z set SIGCHLD back to the default.)
+  signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  me = os.getpid()
+  live = {}  # pid -> pidfd of each C
+  gc.collect()
+  gc.freeze()  # Keep collections in the forks from writing to (and so copying) these pages.
+  while True:
+    try:
+      msg, fds, _, _ = socket.recv_fds(sock, 1 << 16, 64)
+    except InterruptedError:
+      continue
+    if not msg:
+      break
+    req = {}
+    try:
+      req = json.loads(msg)
+      pid = os.fork()
+    except BaseException as e:  # pylint: disable=broad-except
+      for fd in fds:
+        os.close(fd)
+      _reply(sock, {"id": req.get("id"), "error": f"spawner: {type(e).__name__}: {e}"})
+      continue
+    if pid == 0:
+      for fd in live.values():
+        os.close(fd)
+      _child(req, fds, sock, me)
+    for fd in fds:
+      os.close(fd)
+    try:
+      live[pid] = os.pidfd_open(pid)
+    except OSError:
+      pass  # Already gone.
+    for p, fd in list(live.items()):  # Forget the Cs that have exited.
+      if _exited(fd):
+        os.close(fd)
+        del live[p]
+  for fd in live.values():
+    try:
+      signal.pidfd_send_signal(fd, signal.SIGKILL)
+    except OSError:
+      pass
+
+
+def _exited(pidfd):
+  import select  # pylint: disable=import-outside-toplevel
+  return bool(select.select([pidfd], [], [], 0)[0])
+
+
+def probe(req):
+  """Builds one sandbox and runs `true` in it, as a host check (see `hostcheck`)."""
+  ctl_r, host_w = os.pipe()
+  host_r, ctl_w = os.pipe()
+  a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+  pid = os.fork()
+  if pid == 0:
+    a.close()
+    _child(dict(req, id=0, ns=True, probe=True), [ctl_r, ctl_w], b, os.getppid())
+  b.close()
+  os.close(ctl_r)
+  os.close(ctl_w)
+  msg, fds, _, _ = socket.recv_fds(a, 1 << 16, 4)
+  reply = json.loads(msg)
+  if "error" in reply:
+    raise OSError(reply["error"])
+  first = os.read(host_r, 1 << 16)
+  os.close(host_w)  # The zygote exits at EOF.
+  os.waitpid(pid, 0)
+  if b'"probe": true' not in first:
+    raise OSError(first[4:].decode(errors="replace"))
+
+
+if __name__ == "__main__":
+  if sys.argv[1:2] == ["--probe"]:
+    try:
+      probe(json.loads(sys.argv[2]))
+    except BaseException as e:  # pylint: disable=broad-except
+      print(f"{type(e).__name__}: {e}", file=sys.stderr)
+      sys.exit(1)
+    sys.exit(0)
+  serve(socket.socket(fileno=int(sys.argv[1])))
