@@ -6,8 +6,9 @@ r"""Benchmarks the sandbox fleet against plain interpreters, like against like, 
 Every row names both sides; each pair is measured interleaved in the same loop, so machine load
 falls on both alike. One command at a time (one thread on each side) except in the bursts.
 Reports (as a Markdown table, and JSON with --json):
-  * cold against cold: a sandbox created from nothing (bubblewrap and the zygote started, the
-    files written, `python3 main.py` run to its result; main.py = "pass") against a plain
+  * cold against cold: a sandbox created from nothing (the spawn helper started, the sandbox
+    forked from it, the files written, `python3 main.py` run to its result; main.py = "pass")
+    against a plain
     interpreter started from nothing (`python3 main.py` in a fresh directory holding the same
     file, via subprocess.run); the sandbox's teardown after the result is reported beside;
   * warm against warm: a sandbox taken from a warm pool (files written, `python3 main.py` run)
@@ -17,15 +18,17 @@ Reports (as a Markdown table, and JSON with --json):
     audit hook), and against the same warm pool with isolation switched off
     (`force_degraded=True`: the same zygote and protocol, no namespaces; rlimits, and the
     per-sandbox cgroups where the host has them); also with the pool's
-    refill starting at once (refill_delay_s=0), so it competes with the command for the CPU;
+    refill held back while idle sandboxes remain (refill_delay_s=0.03; the default starts it at
+    once, so it competes with the command for the CPU);
   * a second command in a started sandbox, `python3 main.py` (in-process fast path) and `true`
     (exec), against the same commands sent again to the fork server;
   * bursts of 100 and 1,000 episodes queued at once (each: a fresh sandbox, files, run,
     teardown) through the local fleet against the same number of fresh plain interpreters at
     the same concurrency: episodes/s, latency from enqueue to result p50/p99, peak live
     sandboxes;
-  * memory per idle sandbox (PSS of bwrap, the zygote and its waiting command process) against
-    an idle fork server (PSS of the server and its waiting child).
+  * memory per idle sandbox (PSS of its outer process, the zygote and its waiting command
+    process) against an idle fork server (PSS of the server and its waiting child);
+  * back to back on the default pool, and a profile of a start (see bench_sandbox_sustained).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from envs.sandbox import hostcheck
 from envs.sandbox import launcher as launcher_lib
 from envs.sandbox import pool as pool_lib
 from envs.sandbox import slot as slot_lib
+from tools import bench_sandbox_sustained as sustained
 
 
 # The baselines run the same interpreter the sandboxes run (not a pyenv shim on PATH, which
@@ -324,9 +328,9 @@ def warm_latency(pool_size: int, n: int) -> dict:
   return out
 
 
-def refill_now_latency(pool_size: int, n: int) -> list[float]:
+def refill_delayed_latency(pool_size: int, n: int) -> list[float]:
   out = {"total": [], "exec": []}
-  with pool_lib.WarmPool(size=pool_size, refill_delay_s=0) as pool:
+  with pool_lib.WarmPool(size=pool_size, refill_delay_s=0.03) as pool:
     for i in range(n + 3):
       pool.wait_warm()
       _warm_sandbox(pool, False, out, "")
@@ -395,7 +399,7 @@ def _tree_pss_kb(pid: int) -> int:
 
 
 def idle_memory(n: int) -> dict:
-  """Mean PSS of an idle sandbox (bwrap, zygote, waiting command process) and of an idle fork
+  """Mean PSS of an idle sandbox (outer process, zygote, waiting command process) and of an idle fork
   server (server, waiting child), both in MiB."""
   with pool_lib.WarmPool(size=n, max_live=n) as pool:
     pool.wait_warm(timeout_s=120)
@@ -410,13 +414,20 @@ def idle_memory(n: int) -> dict:
 
 
 def run(*, latency_n: int, cold_n: int, bursts: tuple[int, ...], concurrency: int,
-        pool_size: int, max_live: int, idle_n: int) -> dict:
+        pool_size: int, max_live: int, idle_n: int, b2b_n: int, b2b_rounds: int,
+        profile_n: int) -> dict:
   out = {"host": {"cpus": os.cpu_count(), "load1": os.getloadavg()[0]},
          "concurrency": concurrency}
+  out["profile"] = sustained.start_profile(profile_n)
+  with PreforkedPython() as server:
+    b2b = sustained.back_to_back(b2b_n, b2b_rounds, server)
+  out["back_to_back"] = b2b
+  out["back_to_back_ms"] = {f"{k}_p{q}": _pct(b2b[k], q) * 1e3
+                            for k in ("sandbox", "plain", "prefork") for q in (50, 99)}
   cold = cold_latency(cold_n)
   warm = warm_latency(pool_size, latency_n)
   out["isolation"] = warm.pop("isolation")
-  now = refill_now_latency(pool_size, max(1, latency_n // 2))
+  delayed = refill_delayed_latency(pool_size, max(1, latency_n // 2))
   ms = lambda xs, q: _pct(xs, q) * 1e3
   out["cold_ms"] = {f"{k}_p{q}": ms(v, q) for k, v in cold.items() for q in (50, 99)}
   lat = {}
@@ -426,10 +437,10 @@ def run(*, latency_n: int, cold_n: int, bursts: tuple[int, ...], concurrency: in
     name = {"total": "sandbox", "degraded_total": "degraded", "plain_total": "plain"}.get(k, k)
     for q in (50, 99):
       lat[f"{name}_p{q}"] = ms(v, q)
-  lat["refill_now_p50"], lat["refill_now_p99"] = ms(now, 50), ms(now, 99)
+  lat["refill_delayed_p50"], lat["refill_delayed_p99"] = ms(delayed, 50), ms(delayed, 99)
   out["latency_ms"] = lat
   out["samples"] = {"cold": len(cold["sandbox"]), "warm": len(warm["total"]),
-                    "refill_now": len(now)}
+                    "refill_delayed": len(delayed)}
   out["bursts"] = {}
   for n in bursts:
     out["bursts"][n] = {"sandbox": sandbox_burst(n, concurrency, pool_size, max_live),
@@ -443,11 +454,13 @@ def to_markdown(res: dict) -> str:
   """One row per comparison: what each side is, both figures, and sandbox / baseline."""
   c, lat, n = res["cold_ms"], res["latency_ms"], res["samples"]
   plain_cold_cmd = f"plain `{PYTHON} main.py` from nothing (fresh dir + file, subprocess.run)"
+  b2b_rows, profile_lines = sustained.markdown(res["back_to_back"], res["profile"])
   prefork = "pre-forked plain interpreter, no isolation (fork server, `python3 main.py` in-process)"
   x = lambda a, b: f"{a / b:.2f}x"
   rows = [
-      ("cold start p50: sandbox from nothing (bwrap + zygote + files + `python3 main.py` "
-       f"result) vs {plain_cold_cmd}; {n['cold']} each", c["sandbox_p50"], c["plain_p50"]),
+      ("cold start p50: sandbox from nothing (spawn helper's start + sandbox + files + "
+       f"`python3 main.py` result) vs {plain_cold_cmd}; {n['cold']} each", c["sandbox_p50"],
+       c["plain_p50"]),
       ("cold start p99, same pair", c["sandbox_p99"], c["plain_p99"]),
       ("warm start p50: sandbox from a warm pool (acquire + files + `python3 main.py` result) "
        f"vs {prefork} (fresh dir + file + run); {n['warm']} each", lat["sandbox_p50"],
@@ -455,8 +468,9 @@ def to_markdown(res: dict) -> str:
       ("warm start p99, same pair", lat["sandbox_p99"], lat["plain_p99"]),
       ("warm start p50: the same warm pool with isolation off (`force_degraded`: same zygote, "
        f"no namespaces) vs {prefork}", lat["degraded_p50"], lat["plain_p50"]),
-      ("warm start p50: sandbox, pool refill started at once (`refill_delay_s=0`; "
-       f"{n['refill_now']} starts) vs {prefork} (from the warm rows)", lat["refill_now_p50"],
+      ("warm start p50: sandbox, pool refill held back 30 ms while idle sandboxes remain "
+       f"(`refill_delay_s=0.03`; {n['refill_delayed']} starts) vs {prefork} (from the warm rows)",
+       lat["refill_delayed_p50"],
        lat["plain_p50"]),
       ("next command in the same sandbox, `python3 main.py` p50, vs the same to the fork server",
        lat["again_p50"], lat["plain_again_p50"]),
@@ -471,6 +485,7 @@ def to_markdown(res: dict) -> str:
       "| --- | --- | --- | --- |"]
   for name, a, b in rows:
     lines.append(f"| {name} | {a:.2f} ms | {b:.2f} ms | {x(a, b)} |")
+  lines += b2b_rows
   lines.append(f"| cold sandbox teardown after the result, p50 (kill, reap, remove; the pool "
                f"does it in the background; no plain counterpart: its exit is in its start) | "
                f"{c['teardown_p50']:.2f} ms | | |")
@@ -485,11 +500,11 @@ def to_markdown(res: dict) -> str:
                  f"{s['p50'] * 1e3:.0f} ms | {p['p50'] * 1e3:.0f} ms | "
                  f"{s['p50'] / p['p50']:.2f}x |")
   idle = res["idle"]
-  lines.append(f"| memory, PSS per idle sandbox (bwrap + zygote + waiting command process, "
+  lines.append(f"| memory, PSS per idle sandbox (outer process + zygote + waiting command process, "
                f"{idle['sandboxes']} idle) vs an idle fork server (server + waiting child) | "
                f"{idle['pss_mib']:.1f} MiB | {idle['plain_pss_mib']:.1f} MiB | "
                f"{x(idle['pss_mib'], idle['plain_pss_mib'])} |")
-  return "\n".join(lines)
+  return "\n".join(lines + profile_lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -502,10 +517,11 @@ def main(argv: list[str] | None = None) -> int:
   args = ap.parse_args(argv)
   if args.quick:
     res = run(latency_n=10, cold_n=5, bursts=(10,), concurrency=4, pool_size=2, max_live=6,
-              idle_n=2)
+              idle_n=2, b2b_n=10, b2b_rounds=1, profile_n=5)
   else:
     res = run(latency_n=200, cold_n=50, bursts=(100, 1000), concurrency=args.concurrency,
-              pool_size=args.pool_size, max_live=args.max_live, idle_n=8)
+              pool_size=args.pool_size, max_live=args.max_live, idle_n=8, b2b_n=30,
+              b2b_rounds=10, profile_n=50)
   print(to_markdown(res))
   if args.json:
     with open(args.json, "w") as f:

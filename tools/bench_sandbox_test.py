@@ -47,16 +47,16 @@ def test_quick_run_reports_like_for_like_rows_from_its_samples(tmp_path, capsys)
   assert bench_sandbox.main(["--quick", "--json", str(out)]) == 0
   text = capsys.readouterr().out
   res = json.loads(out.read_text())
-  assert res["samples"] == {"cold": 5, "warm": 10, "refill_now": 5}
+  assert res["samples"] == {"cold": 5, "warm": 10, "refill_delayed": 5}
   cold, warm = res["cold_ms"], res["latency_ms"]
   # Every side measured; p99 of the same samples is never below their p50.
   for d, sides in ((cold, ("sandbox", "plain", "teardown")),
                    (warm, ("sandbox", "plain", "degraded", "again", "plain_again", "true",
-                           "plain_true", "refill_now"))):
+                           "plain_true", "refill_delayed"))):
     for side in sides:
       assert 0 < d[f"{side}_p50"] <= d[f"{side}_p99"], (side, d)
-  # A cold sandbox starts bwrap and a whole interpreter; a warm one is a queue pop and a pipe
-  # write. A benchmark that mixed the two up would fail this.
+  # A cold sandbox starts the spawn helper (a whole interpreter) and a sandbox; a warm one is a
+  # queue pop and a pipe write. A benchmark that mixed the two up would fail this.
   assert cold["sandbox_p50"] > warm["sandbox_p50"]
   rows = {}
   for line in text.splitlines():
@@ -81,6 +81,23 @@ def test_quick_run_reports_like_for_like_rows_from_its_samples(tmp_path, capsys)
   assert "burst of 10: episodes/s" in text and "idle fork server" in text
   assert res["idle"]["pss_mib"] > 0 and res["idle"]["plain_pss_mib"] > 0
   assert res["bursts"]["10"]["sandbox"]["eps"] > 0 and res["bursts"]["10"]["plain"]["eps"] > 0
+  # Back to back: every side measured, the rows show the same figures.
+  b2b = res["back_to_back_ms"]
+  assert len(res["back_to_back"]["sandbox"]) == len(res["back_to_back"]["plain"]) == 10
+  for q in (50, 99):
+    sb, base, ratio = by_start(f"back to back p{q}: `sandbox.run")
+    assert (sb, base) == (round(b2b[f"sandbox_p{q}"], 2), round(b2b[f"plain_p{q}"], 2))
+    assert by_start(f"back to back p{q}, same sandbox calls vs the pre-forked")[1] == round(
+        b2b[f"prefork_p{q}"], 2)
+  # The start profile: every phase stamped (the end-to-end start is the longest), CPU > 0, and
+  # the previous design's interpreter start measured beside it.
+  phases = dict(res["profile"]["phases_ms"])
+  assert all(v >= 0 for v in phases.values()), phases
+  end_to_end = next(v for k, v in phases.items() if k.startswith("start, end to end"))
+  assert end_to_end == max(phases.values())
+  assert all(v > 0 for v in res["profile"]["cpu_ms"].values())
+  assert any("interpreter" in k for k in res["profile"]["old_ms"])
+  assert "Start profile (5 sandboxes" in text
 
 
 if __name__ == "__main__":

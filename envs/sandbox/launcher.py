@@ -80,10 +80,11 @@ class Launcher:
     self._ids = itertools.count()
 
   def spawn(self, *, workspace: str, cgroup_procs: list[str], namespaces: bool,
-            nproc_cap: int, timeout_s: float = 10.0) -> tuple[Spawned, int, int]:
+            nproc_cap: int, timeout_s: float = 10.0,
+            profile: dict | None = None) -> tuple[Spawned, int, int]:
     """Starts one sandbox; returns its processes and the host's ends of its control pipe
     (write, read). The sandbox joins the cgroups whose cgroup.procs paths are given before
-    anything runs in it."""
+    anything runs in it. With `profile` (a dict), the helper's phase marks are added to it."""
     to_zygote_r, to_zygote_w = os.pipe()
     from_zygote_r, from_zygote_w = os.pipe()
     fds = [to_zygote_r, from_zygote_w]
@@ -92,6 +93,8 @@ class Launcher:
         fds.append(os.open(path, os.O_WRONLY | os.O_CLOEXEC))
       req = {"ns": namespaces, "workspace": workspace, "opt": self.opt_dir,
              "site": self.site_dir, "newroot": self.newroot, "nproc_cap": nproc_cap}
+      if profile is not None:
+        req["profile"] = True
       with self._lock:
         req["id"] = next(self._ids)
         try:
@@ -112,6 +115,8 @@ class Launcher:
       os.close(to_zygote_w)
       os.close(from_zygote_r)
       raise SpawnError(reply["error"])
+    if profile is not None:
+      profile.update(reply.get("profile", {}))
     pidfd = got[0]
     init_pidfd = got[1] if len(got) > 1 else os.dup(pidfd)
     return (Spawned(reply["pid"], reply["init"], pidfd, init_pidfd), to_zygote_w,

@@ -133,7 +133,11 @@ class Slot:
   """A started sandbox. Not thread-safe for concurrent requests; one episode owns it."""
 
   def __init__(self, root: str, features: hostcheck.HostFeatures, *,
-               launcher: launcher_lib.Launcher, degraded: bool = False):
+               launcher: launcher_lib.Launcher, degraded: bool = False, profile: bool = False):
+    """Starts the sandbox (`wait_ready` waits for it). With `profile`, `self.profile` gets the
+    time.perf_counter() at the end of each phase of the start, host and sandbox side, and the CPU
+    seconds of the sandbox's set-up processes (for the benchmark's profile)."""
+    self.profile: dict | None = {"host_start": time.perf_counter()} if profile else None
     self.id = next(_IDS)
     self.opt_dir = launcher.opt_dir
     self.features = features
@@ -172,10 +176,15 @@ class Slot:
       # The default limits before anything runs in the cgroups, so an exec with the defaults
       # writes nothing.
       self._set_limits(_DEFAULT_MEMORY_MB, _DEFAULT_NPROC)
+      if profile:
+        self.profile["host_dirs_cgroups"] = time.perf_counter()
       self.spawned, self._w, self._r = launcher.spawn(
           workspace=self.workspace, namespaces=not degraded,
           cgroup_procs=[os.path.join(p, "cgroup.procs") for p in self.cgroups.values()],
-          nproc_cap=self.features.nproc_cap if "pids" in self.cgroups else 0)
+          nproc_cap=self.features.nproc_cap if "pids" in self.cgroups else 0,
+          profile=self.profile)
+      if profile:
+        self.profile["host_spawn_reply"] = time.perf_counter()
     except Exception as e:
       self.closed = True
       self._remove()
@@ -204,6 +213,9 @@ class Slot:
       raise SlotError(f"sandbox {self.id}: {e}") from e
     self.zygote_pid = resp["pid"]
     self._counts = self._read_counts()
+    if self.profile is not None:
+      self.profile.update(resp.get("profile", {}))
+      self.profile["host_ready"] = time.perf_counter()
     self.ready_s = time.monotonic() - self.started_at
 
   # -- protocol --------------------------------------------------------------------------------

@@ -30,9 +30,10 @@ Degraded mode (no user namespaces): C joins the cgroups, sets the rlimit, moves 
 workspace and becomes the zygote on the host.
 
 Protocol (SOCK_SEQPACKET, fds by SCM_RIGHTS): request {"id", "ns", "workspace", "opt", "site",
-"newroot", "nproc_cap", "cgroups": n} with fds [zygote's control read end, its control write
+"newroot", "nproc_cap"[, "profile"]} with fds [zygote's control read end, its control write
 end, n cgroup.procs descriptors]; the reply, sent by C, {"id", "pid", "init"} with [pidfd of C,
-pidfd of Z] (just C's in degraded mode), or {"id", "error"}.
+pidfd of Z] (just C's in degraded mode), or {"id", "error"}. With "profile", C's reply and the
+zygote's ready message carry {phase: time.perf_counter()} marks and each process's CPU time.
 """
 
 import ctypes
@@ -45,6 +46,7 @@ import signal
 import socket
 import struct
 import sys
+import time
 import traceback
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -187,7 +189,7 @@ def _close_fds_except(keep):
         pass
 
 
-def _become_zygote(ctl_r, ctl_w, *, ns_mode, workspace):
+def _become_zygote(ctl_r, ctl_w, *, ns_mode, workspace, profile=None):
   """Runs the zygote (imported before the fork) on the control pipe; never returns."""
   import zygote  # pylint: disable=import-outside-toplevel
   os.dup2(ctl_r, 0)
@@ -196,7 +198,11 @@ def _become_zygote(ctl_r, ctl_w, *, ns_mode, workspace):
   if ns_mode:
     sys.path[0] = "/opt/envs"  # Where the programs are inside the sandbox.
   zygote.WORKSPACE = workspace
+  zygote.PROFILE = profile
+  # As in a freshly started interpreter (this helper ignores both; exec'd commands would
+  # inherit an ignored SIGINT).
   signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+  signal.signal(signal.SIGINT, signal.default_int_handler)
   code = 0
   try:
     zygote.Zygote(ns_mode=ns_mode).serve()
@@ -208,13 +214,18 @@ def _become_zygote(ctl_r, ctl_w, *, ns_mode, workspace):
 def _init(req, ctl_r, ctl_w):
   """Z: PID 1 of the new namespaces. Builds the sandbox and becomes its zygote."""
   try:
+    if "profile" in req:
+      req["profile"] = {"z_forked": time.perf_counter()}
     _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")
     _build_root(req)
+    _mark(req, "z_root")
     _loopback_up()
     _check(_libc.sethostname(b"sandbox", 7), "sethostname")
     os.setsid()  # bwrap's --new-session: no controlling terminal to inject input into.
+    _mark(req, "z_net_uts")
     _drop_privileges()
     os.chdir("/workspace")
+    _mark(req, "z_privileges")
   except BaseException as e:  # pylint: disable=broad-except
     _report(ctl_w, f"sandbox set-up failed: {type(e).__name__}: {e}")
     os._exit(1)
@@ -222,7 +233,7 @@ def _init(req, ctl_r, ctl_w):
     body = json.dumps({"ok": True, "probe": True}).encode()
     os.write(ctl_w, struct.pack(">I", len(body)) + body)
     os._exit(0)
-  _become_zygote(ctl_r, ctl_w, ns_mode=True, workspace="/workspace")
+  _become_zygote(ctl_r, ctl_w, ns_mode=True, workspace="/workspace", profile=req.get("profile"))
 
 
 def _report(fd, error):
@@ -238,9 +249,16 @@ def _reply(sock, msg, fds=()):
   socket.send_fds(sock, [json.dumps(msg).encode()], list(fds))
 
 
+def _mark(req, name):
+  """Records when a phase of the start ended, when the host asked for a profile."""
+  if "profile" in req:
+    req["profile"][name] = time.perf_counter()
+
+
 def _child(req, fds, sock, parent):
   """C: a fork of the spawner, one per sandbox. Never returns."""
   try:
+    _mark(req, "c_forked")
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")
     if os.getppid() != parent:
@@ -254,6 +272,7 @@ def _child(req, fds, sock, parent):
       # tasks of the uid (host-wide, every sandbox's) from here.
       cap = int(req["nproc_cap"])
       resource.setrlimit(resource.RLIMIT_NPROC, (cap, cap))
+    _mark(req, "c_cgroups")
     if not req["ns"]:
       _reply(sock, {"id": req["id"], "pid": os.getpid(), "init": os.getpid()},
              [os.pidfd_open(os.getpid())])
@@ -263,16 +282,21 @@ def _child(req, fds, sock, parent):
     uid = os.geteuid()
     _check(_libc.unshare(CLONE_NEWUSER), "unshare user namespace")
     _map_ids(0, uid)
+    _mark(req, "c_userns")
     _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
                          | CLONE_NEWCGROUP), "unshare namespaces")
+    _mark(req, "c_namespaces")
     init = os.fork()
     if init == 0:
       sock.close()
       _init(req, ctl_r, ctl_w)
     os.close(ctl_r)
     os.close(ctl_w)
-    _reply(sock, {"id": req["id"], "pid": os.getpid(), "init": init},
-           [os.pidfd_open(os.getpid()), os.pidfd_open(init)])
+    _mark(req, "c_forked_init")
+    reply = {"id": req["id"], "pid": os.getpid(), "init": init}
+    if "profile" in req:
+      reply["profile"] = dict(req["profile"], c_cpu=time.process_time())
+    _reply(sock, reply, [os.pidfd_open(os.getpid()), os.pidfd_open(init)])
     sock.close()
     while True:
       try:
@@ -313,6 +337,8 @@ def serve(sock):
     req = {}
     try:
       req = json.loads(msg)
+      if "profile" in req:
+        req["profile"] = {"spawner_received": time.perf_counter()}
       pid = os.fork()
     except BaseException as e:  # pylint: disable=broad-except
       for fd in fds:

@@ -37,6 +37,7 @@ import time
 import command_process  # Beside this file in the sandbox (/opt/envs); stdlib only.
 
 WORKSPACE = "/workspace"
+PROFILE = None  # {phase: time.perf_counter()} of this sandbox's start, when profiled.
 _PR_SET_DUMPABLE = 4
 _PR_SET_CHILD_SUBREAPER = 36
 _PF_EXITING = 0x4  # task flag, /proc/PID/stat field 9
@@ -161,7 +162,12 @@ class Zygote:
 
   def serve(self):
     self._fork_spare()
-    _send(self.ctl_w, {"ok": True, "pid": os.getpid(), "ns_mode": self.ns_mode})
+    ready = {"ok": True, "pid": os.getpid(), "ns_mode": self.ns_mode}
+    if PROFILE is not None:  # Set by the spawner when the host asked for a start's profile.
+      PROFILE["z_ready"] = time.perf_counter()
+      PROFILE["z_cpu"] = time.process_time()
+      ready["profile"] = PROFILE
+    _send(self.ctl_w, ready)
     while True:
       req = _recv(self.ctl_r)
       if req is None:
