@@ -6,9 +6,10 @@ here:
     from envs import sandbox
     r = sandbox.run(files={"main.py": "print(1)"}, command=["python3", "main.py"])
 
-Modules: `api` (`run`, `Sandbox`), `pool` (`WarmPool`), `slot` (one sandbox: bubblewrap and the
-zygote), `hostcheck`, the programs that run inside the sandbox (`zygote`, `command_process`,
-`audit_hook`, `testrunner`), `testexec` (the host side of the test runner), and the fleets that
+Modules: `api` (`run`, `Sandbox`), `pool` (`WarmPool`), `slot` (one sandbox: its namespaces and
+the zygote), `launcher` (host side of the spawn helper), `hostcheck`, the programs (`spawner`, the
+spawn helper, and what runs inside the sandbox: `zygote`, `command_process`, `audit_hook`,
+`testrunner`), `testexec` (the host side of the test runner), and the fleets that
 run many jobs over warm pools (`fleet`, `fleet_ray`). See envs/README.md.
 """
 

@@ -9,11 +9,11 @@ Each call gets a fresh sandbox from a process-wide warm pool (`pool`), so after 
 call a run costs milliseconds. `Sandbox` is the richer per-episode handle the harness uses: one
 sandbox for the whole episode, many commands and file operations against the same workspace.
 
-Isolation (see `hostcheck`): bubblewrap with user, PID, network, IPC, UTS and mount
-namespaces, only /usr (read-only) and the workspace visible, uid nobody, rlimits on CPU time,
-address space, processes, file size and open files, capped output, cgroup memory and pids limits
-where available, and every process killed after each command. When the host lacks bwrap or user
-namespaces, `run` raises `SandboxUnavailable` unless ENVS_SANDBOX_ALLOW_DEGRADED=1 is set.
+Isolation (see `hostcheck`, `spawner`): user, PID, network, IPC, UTS, cgroup and mount
+namespaces, only /usr (read-only) and the workspace visible, uid nobody without capabilities,
+rlimits on CPU time, address space, processes, file size and open files, capped output, cgroup
+memory and pids limits where available, and every process killed after each command. When the
+host lacks user namespaces, `run` raises `SandboxUnavailable` unless ENVS_SANDBOX_ALLOW_DEGRADED=1 is set.
 """
 
 from __future__ import annotations
@@ -118,4 +118,5 @@ def run(files: Mapping[str, str | bytes] | None = None, command: list[str] | Non
     return Result(exit_code=-1, stdout="", stderr="", timed_out=False, violations=[],
                   isolation=p.isolation, infra_error=str(e))
   with sb:
-    return sb.exec(list(command), timeout_s=timeout_s, memory_mb=memory_mb, **limits)
+    return sb.exec(list(command), timeout_s=timeout_s, memory_mb=memory_mb,
+                   **{"last": True, **limits})

@@ -35,7 +35,8 @@ import audit_hook  # Beside this file in the sandbox (/opt/envs); stdlib only.
 
 AUDIT_FD = 1000
 REQUEST_FD = 1001
-STATUS_FD = 1002  # Fast path only: "pid code" written just before exiting (not inherited).
+STATUS_FD = 1002  # READY once prepared; fast path: "pid code" just before exiting (not inherited).
+READY = b"ready\n"
 _PR_GET_DUMPABLE = 3
 _PR_SET_DUMPABLE = 4
 _WARM_REQUEST = marshal.dumps({"argv": ["python3", "main.py"], "cpu_s": 11, "memory_mb": 512,
@@ -109,6 +110,9 @@ def _prepare(fds, workspace):
   # Reports only; nothing but this file runs until the request is read. Exec replaces it.
   audit_hook.install(AUDIT_FD, workspace=workspace)
   _warm_up()
+  # Tells the zygote this process is ready (it waits for the first one before the sandbox says
+  # ready, so a sandbox handed out never makes its first command wait for this set-up).
+  os.write(STATUS_FD, READY)
 
 
 def _command_env(user_env, workspace):

@@ -43,7 +43,7 @@ class WarmPool:
     max_live: cap on idle plus in-use sandboxes (default 4 * size).
     max_idle: the most idle sandboxes the target grows to under demand (default max_live).
     shrink_after_s: how long without a miss before the target falls by one toward `size`.
-    allow_degraded: when the host cannot isolate (no bwrap or user namespaces), run in the
+    allow_degraded: when the host cannot isolate (no user namespaces), run in the
       documented weaker mode instead of raising `SandboxUnavailable`. Every result then carries
       a "degraded_isolation" violation and an `isolation` string starting with "DEGRADED".
     force_degraded: use the weaker mode even where isolation is available (for tests).

@@ -53,7 +53,7 @@ _IN_SANDBOX = ("spawner.py", "zygote.py", "command_process.py", "audit_hook.py",
 _DEFAULT_MEMORY_MB = 512
 _DEFAULT_NPROC = 64
 # RLIMIT_NPROC above `nproc` where it is the process bound: it counts the zygote, its spare and
-# any bwrap helper of this uid too.
+# the sandbox's outer process of this uid too.
 _NPROC_SLACK = 8
 # How long `close` waits for the sandbox's processes to be gone (the kernel tears a PID namespace
 # down in milliseconds; this is for a host under heavy load).
@@ -322,15 +322,20 @@ class Slot:
            memory_mb: int = _DEFAULT_MEMORY_MB, cpu_s: float | None = None,
            nproc: int = _DEFAULT_NPROC, fsize_mb: int = 64,
            max_output_bytes: int = 1 << 20, env: dict[str, str] | None = None,
-           cwd: str | None = None, stdin: str = "", fast_path: bool = True) -> Result:
-    """Runs argv in the sandbox; the whole process tree is killed when it ends."""
+           cwd: str | None = None, stdin: str = "", fast_path: bool = True,
+           last: bool = False) -> Result:
+    """Runs argv in the sandbox; the whole process tree is killed when it ends.
+
+    `last`: no command follows (`sandbox.run`), so the zygote forks no command process ahead
+    for the next one (a later exec still works, forking one on demand).
+    """
     self._set_limits(memory_mb, nproc)
     before = self._counts if self._counts is not None else self._read_counts()
     req = {"op": "exec", "argv": list(argv), "timeout_s": timeout_s, "memory_mb": memory_mb,
            "cpu_s": int(cpu_s if cpu_s is not None else max(1, timeout_s) + 1), "nproc": nproc,
            "rlimit_nproc": self._rlimit_nproc(nproc),
            "fsize_mb": fsize_mb, "max_output_bytes": max_output_bytes, "env": env or {},
-           "cwd": cwd, "stdin": stdin, "fast_path": fast_path}
+           "cwd": cwd, "stdin": stdin, "fast_path": fast_path, "fork_next": not last}
     try:
       resp = self.request(req, timeout_s=timeout_s + 10.0)
     except SlotError as e:

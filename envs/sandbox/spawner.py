@@ -37,17 +37,24 @@ zygote's ready message carry {phase: time.perf_counter()} marks and each process
 """
 
 import ctypes
+import fcntl
 import gc
 import json
 import os
-import platform
 import resource
+import select
 import signal
 import socket
 import struct
 import sys
 import time
 import traceback
+
+# Everything a sandbox's start and its zygote use is imported here, once: an import in a fork
+# would be paid again by every sandbox. (hostcheck's probe runs this file's source with -c and
+# builds no zygote.)
+if sys.argv[1:2] != ["--probe"]:
+  import zygote  # pylint: disable=g-import-not-at-top  # Beside this file; stdlib only.
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -70,7 +77,7 @@ PR_CAPBSET_DROP = 24
 PR_SET_NO_NEW_PRIVS = 38
 PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 _SYSCALLS = {"x86_64": {"pivot_root": 155, "capset": 126},
-             "aarch64": {"pivot_root": 41, "capset": 91}}
+             "aarch64": {"pivot_root": 41, "capset": 91}}.get(os.uname().machine, {})
 SANDBOX_UID = 65534  # Inside the sandbox (the final user namespace), as bwrap's default.
 _DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 
@@ -88,7 +95,7 @@ def _mount(source, target, fstype, flags, data=None):
 
 
 def _syscall(name, *args):
-  return _libc.syscall(_SYSCALLS[platform.machine()][name], *args)
+  return _libc.syscall(_SYSCALLS[name], *args)
 
 
 def _write(path, text):
@@ -154,7 +161,6 @@ def _build_root(req):
 def _loopback_up():
   s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
   try:
-    import fcntl  # pylint: disable=import-outside-toplevel
     ifreq = fcntl.ioctl(s, 0x8913, struct.pack("16sH14x", b"lo", 0))  # SIOCGIFFLAGS
     flags = struct.unpack("16sH14x", ifreq)[1] | 0x1  # IFF_UP
     fcntl.ioctl(s, 0x8914, struct.pack("16sH14x", b"lo", flags))  # SIOCSIFFLAGS
@@ -191,7 +197,6 @@ def _close_fds_except(keep):
 
 def _become_zygote(ctl_r, ctl_w, *, ns_mode, workspace, profile=None):
   """Runs the zygote (imported before the fork) on the control pipe; never returns."""
-  import zygote  # pylint: disable=import-outside-toplevel
   os.dup2(ctl_r, 0)
   os.dup2(ctl_w, 1)
   _close_fds_except((0, 1, 2))
@@ -318,7 +323,6 @@ def _child(req, fds, sock, parent):
 
 def serve(sock):
   """Forks one C per request until EOF, then kills every C it made (and so their sandboxes)."""
-  import zygote  # pylint: disable=import-outside-toplevel,unused-import
   # Children are reaped by the kernel: a C that exited never lingers as a zombie counting
   # against its sandbox's pids cgroup. (C and Z set SIGCHLD back to the default.)
   signal.signal(signal.SIGCHLD, signal.SIG_IGN)
@@ -367,7 +371,6 @@ def serve(sock):
 
 
 def _exited(pidfd):
-  import select  # pylint: disable=import-outside-toplevel
   return bool(select.select([pidfd], [], [], 0)[0])
 
 

@@ -162,6 +162,7 @@ class Zygote:
 
   def serve(self):
     self._fork_spare()
+    self._await_spare()
     ready = {"ok": True, "pid": os.getpid(), "ns_mode": self.ns_mode}
     if PROFILE is not None:  # Set by the spawner when the host asked for a start's profile.
       PROFILE["z_ready"] = time.perf_counter()
@@ -190,8 +191,10 @@ class Zygote:
         # before anything else happens in the sandbox.
         self._kill_all()
         self._cleanup_pending = False
-      if self._spare is None:
-        # After answering, so the fork overlaps the host's work on the response.
+      if self._spare is None and req.get("fork_next", True):
+        # After answering, so the fork overlaps the host's work on the response. Not after a
+        # command the host said is the sandbox's last (sandbox.run): that spare would be
+        # killed unused. A later exec forks one on demand.
         self._fork_spare()
 
   # -- spare -----------------------------------------------------------------------------------
@@ -218,6 +221,23 @@ class Zygote:
     for fd in (in_r, out_w, err_w, aud_w, status_w, req_r):
       os.close(fd)
     self._spare = _Spare(pid, req_w, in_w, out_r, err_r, aud_r, status_r)
+
+  def _await_spare(self, timeout_s=10.0):
+    """Waits until the spare has done its set-up (it writes READY on its status pipe), so the
+    first command of a sandbox the host was told is ready does not wait for it. A spare that
+    died instead (EOF) is replaced on demand by _take_spare."""
+    if self._spare is None:
+      return
+    fd, got = self._spare.status_r, b""
+    deadline = time.monotonic() + timeout_s
+    while not got.endswith(command_process.READY):
+      left = deadline - time.monotonic()
+      if left <= 0 or not select.select([fd], [], [], left)[0]:
+        return
+      chunk = os.read(fd, len(command_process.READY) - len(got))
+      if not chunk:
+        return
+      got += chunk
 
   def _take_spare(self, body, stdin_data):
     """Hands the request to the spare (forking one if needed); returns it, now running."""

@@ -156,5 +156,17 @@ def test_many_commands_in_one_sandbox_stay_fast_and_clean(pool):
       assert (r.exit_code, r.stdout, r.violations) == (0, f"{i}\n", []), r
 
 
+def test_no_spare_is_forked_after_the_last_command(pool):
+  # sandbox.run's one command is the sandbox's last: a spare forked after it would be killed
+  # unused (a fork and a warm-up of CPU per episode). A later command still runs.
+  with sandbox.Sandbox({}, pool=pool) as sb:
+    assert sb.slot.spare_pid() is not None  # The first spare, forked while the pool held it.
+    assert sb.exec(["true"], last=True).exit_code == 0
+    assert sb.slot.spare_pid() is None
+    r = sb.exec(["python3", "-c", "print('on demand')"])
+    assert (r.exit_code, r.stdout) == (0, "on demand\n"), r
+    assert sb.slot.spare_pid() is not None
+
+
 if __name__ == "__main__":
   sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
