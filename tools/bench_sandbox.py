@@ -415,13 +415,14 @@ def idle_memory(n: int) -> dict:
 
 def run(*, latency_n: int, cold_n: int, bursts: tuple[int, ...], concurrency: int,
         pool_size: int, max_live: int, idle_n: int, b2b_n: int, b2b_rounds: int,
-        profile_n: int) -> dict:
+        profile_n: int, cpu_n: int) -> dict:
   out = {"host": {"cpus": os.cpu_count(), "load1": os.getloadavg()[0]},
          "concurrency": concurrency}
   out["profile"] = sustained.start_profile(profile_n)
   with PreforkedPython() as server:
     b2b = sustained.back_to_back(b2b_n, b2b_rounds, server)
   out["back_to_back"] = b2b
+  out["cpu_ms"] = sustained.cpu_per_episode(cpu_n, PreforkedPython)
   out["back_to_back_ms"] = {f"{k}_p{q}": _pct(b2b[k], q) * 1e3
                             for k in ("sandbox", "plain", "prefork") for q in (50, 99)}
   cold = cold_latency(cold_n)
@@ -454,7 +455,8 @@ def to_markdown(res: dict) -> str:
   """One row per comparison: what each side is, both figures, and sandbox / baseline."""
   c, lat, n = res["cold_ms"], res["latency_ms"], res["samples"]
   plain_cold_cmd = f"plain `{PYTHON} main.py` from nothing (fresh dir + file, subprocess.run)"
-  b2b_rows, profile_lines = sustained.markdown(res["back_to_back"], res["profile"])
+  b2b_rows, profile_lines = sustained.markdown(res["back_to_back"], res["profile"],
+                                               res.get("cpu_ms"))
   prefork = "pre-forked plain interpreter, no isolation (fork server, `python3 main.py` in-process)"
   x = lambda a, b: f"{a / b:.2f}x"
   rows = [
@@ -517,11 +519,11 @@ def main(argv: list[str] | None = None) -> int:
   args = ap.parse_args(argv)
   if args.quick:
     res = run(latency_n=10, cold_n=5, bursts=(10,), concurrency=4, pool_size=2, max_live=6,
-              idle_n=2, b2b_n=10, b2b_rounds=1, profile_n=5)
+              idle_n=2, b2b_n=10, b2b_rounds=1, profile_n=5, cpu_n=5)
   else:
     res = run(latency_n=200, cold_n=50, bursts=(100, 1000), concurrency=args.concurrency,
               pool_size=args.pool_size, max_live=args.max_live, idle_n=8, b2b_n=30,
-              b2b_rounds=10, profile_n=50)
+              b2b_rounds=10, profile_n=50, cpu_n=200)
   print(to_markdown(res))
   if args.json:
     with open(args.json, "w") as f:

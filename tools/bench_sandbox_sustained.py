@@ -7,11 +7,17 @@
     pre-forked plain interpreter (the fork server, like for like with a warm pool). Blocks of `n`
     on each side in turn, `rounds` times, so load falls on all alike.
   * start profile: sandboxes started one at a time from a running spawn helper, each phase's
-    end stamped with time.perf_counter() by the process doing it (host, helper, C, Z: see
+    end stamped with time.perf_counter() by the process doing it (host, helper, Z: see
     envs/sandbox/spawner.py), the set-up processes' CPU seconds, then the episode's own steps
     and the teardown. What the previous design spent per start is measured beside it: bwrap
     with the namespaces and mounts it was run with, exec'ing /usr/bin/true, and a fresh
     interpreter importing what the zygote imports.
+  * CPU per episode (where cgroup v1 cpuacct is writable, i.e. as root): the benchmark moves
+    itself into a fresh cpuacct cgroup, which every process it then starts joins (the spawn
+    helper and so every sandbox's processes, plain interpreters, the fork server), and reads the
+    cgroup's CPU time over `n` episodes of each kind back to back. Load on the machine changes
+    wall times, much less CPU time, so these ratios hold on a busy host. Kernel workers (the
+    deferred part of a network namespace's teardown) are not counted.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import time
 from envs import sandbox
 from envs.sandbox import hostcheck
 from envs.sandbox import launcher as launcher_lib
+from envs.sandbox import pool as pool_lib
 from envs.sandbox import slot as slot_lib
 
 PYTHON = hostcheck.SANDBOX_PYTHON
@@ -35,16 +42,18 @@ MAIN = {"main.py": "pass\n"}
 PHASES = (
     ("host: slot directory, cgroups made, limits written", "host_dirs_cgroups", "host_start"),
     ("request reaches the spawn helper", "spawner_received", "host_dirs_cgroups"),
-    ("helper forks C (a copy of the helper, zygote imported)", "c_forked", "spawner_received"),
-    ("C joins the cgroups, sets RLIMIT_NPROC", "c_cgroups", "c_forked"),
-    ("C: user namespace and id maps", "c_userns", "c_cgroups"),
-    ("C: mount, PID, net, IPC, UTS, cgroup namespaces", "c_namespaces", "c_userns"),
-    ("C forks Z (PID 1)", "c_forked_init", "c_namespaces"),
-    ("C's answer (pidfds) reaches the host", "host_spawn_reply", "c_forked_init"),
-    ("Z: root file system (tmpfs, binds, /proc, /dev, pivot_root, ro)", "z_root", "z_forked"),
+    ("helper forks Z into a new PID namespace (zygote imported)", "z_forked",
+     "spawner_received"),
+    ("helper's answer (a pidfd) reaches the host", "host_spawn_reply", "spawner_forked"),
+    ("Z joins the cgroups", "z_cgroups", "z_forked"),
+    ("Z: mount, net, IPC, UTS, cgroup namespaces", "z_namespaces", "z_cgroups"),
+    ("Z: root file system (tmpfs, binds, /proc, /dev, pivot_root, ro)", "z_root",
+     "z_namespaces"),
     ("Z: loopback up, hostname, new session", "z_net_uts", "z_root"),
-    ("Z: nested user namespace, capabilities dropped", "z_privileges", "z_net_uts"),
-    ("zygote forks its first command process, says ready", "z_ready", "z_privileges"),
+    ("Z: own user namespace capped, final one, capabilities dropped", "z_privileges",
+     "z_net_uts"),
+    ("zygote forks its first command process, waits for its set-up, says ready", "z_ready",
+     "z_privileges"),
     ("ready message reaches the host", "host_ready", "z_ready"),
     ("start, end to end (host_start to host_ready)", "host_ready", "host_start"),
 )
@@ -144,8 +153,9 @@ def start_profile(n: int) -> dict:
     shutil.rmtree(root, ignore_errors=True)
   ms = lambda xs: statistics.median(xs) * 1e3
   phases = [(label, ms([m[end] - m[start] for m in marks])) for label, end, start in PHASES]
-  cpu = {"C (helper's fork: cgroups, namespaces, fork of Z)": ms([m["c_cpu"] for m in marks]),
-         "Z (root file system, privileges, zygote's first fork)": ms([m["z_cpu"] for m in marks]),
+  cpu = {"helper (the fork, parent side)": ms([m["s_cpu"] for m in marks]),
+         "Z (cgroups, namespaces, root file system, privileges, zygote's first fork)":
+             ms([m["z_cpu"] for m in marks]),
          "host (slot, cgroups, request, ready)": ms(steps.pop("host_cpu"))}
   out = {"n": n, "phases_ms": phases, "cpu_ms": cpu,
          "steps_ms": {k: ms(v) for k, v in steps.items()}}
@@ -173,7 +183,68 @@ def _old_design(n: int) -> dict:
   return {k: statistics.median(v) * 1e3 for k, v in out.items()}
 
 
-def markdown(b2b: dict, prof: dict) -> tuple[list[str], list[str]]:
+_CPUACCT = "/sys/fs/cgroup/cpuacct"
+
+
+def cpu_per_episode(n: int, server_factory) -> dict | None:
+  """CPU ms per episode (p50 is not defined for a sum: the mean over n) of: sandbox.run on a
+  fresh pool (start, refill and teardown included), a plain interpreter from nothing, a command
+  to a fork server (`server_factory()`), and the previous design's two start parts. None where
+  no cpuacct cgroup can be made."""
+  cg = os.path.join(_CPUACCT, f"envs-bench-{os.getpid()}")
+  try:
+    with open("/proc/self/cgroup") as f:
+      parent = next(line.rstrip().split(":", 2)[2] for line in f
+                    if "cpuacct" in line.split(":")[1].split(","))
+    os.mkdir(cg)
+  except (OSError, StopIteration):
+    return None
+  usage = lambda: int(open(os.path.join(cg, "cpuacct.usage")).read()) / 1e6
+  out = {}
+  try:
+    with open(os.path.join(cg, "cgroup.procs"), "w") as f:
+      f.write(str(os.getpid()))
+    root = tempfile.mkdtemp(prefix="bench-cpu-")
+    with pool_lib.WarmPool(size=2) as pool, server_factory() as server:
+      pool.wait_warm()
+      sides = {
+          "sandbox": lambda d: sandbox.run(files=dict(MAIN), command=["python3", "main.py"],
+                                           pool=pool),
+          "plain": lambda d: subprocess.run([PYTHON, "main.py"], cwd=d, check=True),
+          "prefork": lambda d: server.run(d, ["python3", "main.py"]),
+      }
+      for name, fn in sides.items():
+        pool.wait_warm()
+        u = usage()
+        for _ in range(n):
+          d = tempfile.mkdtemp(dir=root)
+          _write(d)
+          fn(d)
+          shutil.rmtree(d)
+        if name == "sandbox":
+          pool.wait_warm()  # The refills its episodes caused count too.
+        out[name] = (usage() - u) / n
+    shutil.rmtree(root, ignore_errors=True)
+    kw = {}
+    if os.geteuid() == 0:
+      kw = dict(user=hostcheck.SANDBOX_UID, group=hostcheck.SANDBOX_UID, extra_groups=[])
+    old = {"old_interpreter": [PYTHON, "-s", "-B", "-c", _ZYGOTE_IMPORTS]}
+    if shutil.which("bwrap"):
+      old["old_bwrap"] = [shutil.which("bwrap")] + _OLD_BWRAP
+    for name, argv in old.items():
+      u = usage()
+      for _ in range(n):
+        subprocess.run(argv, check=True, cwd="/", **kw)
+      out[name] = (usage() - u) / n
+  finally:
+    with open(os.path.join(_CPUACCT, parent.lstrip("/"), "cgroup.procs"), "w") as f:
+      f.write(str(os.getpid()))
+    os.rmdir(cg)
+  out["n"] = n
+  return out
+
+
+def markdown(b2b: dict, prof: dict, cpu: dict | None = None) -> tuple[list[str], list[str]]:
   """Rows for bench_sandbox's table, and the start profile as its own table."""
   n = len(b2b["sandbox"])
   p = lambda side, q: _pct(b2b[side], q) * 1e3
@@ -189,6 +260,15 @@ def markdown(b2b: dict, prof: dict) -> tuple[list[str], list[str]]:
         f"| back to back p{q}, same sandbox calls vs the pre-forked plain interpreter (fork "
         f"server, fresh dir + file + run) back to back | {p('sandbox', q):.2f} ms | "
         f"{p('prefork', q):.2f} ms | {p('sandbox', q) / p('prefork', q):.2f}x |")
+  if cpu:
+    label = (f"CPU per episode, mean of {cpu['n']} back to back (cpuacct: the benchmark and "
+             "everything it starts; a sandbox episode's start, refill and teardown included)")
+    rows.append(f"| {label}: {call} vs plain `{PYTHON} main.py` from nothing | "
+                f"{cpu['sandbox']:.2f} ms | {cpu['plain']:.2f} ms | "
+                f"{cpu['sandbox'] / cpu['plain']:.2f}x |")
+    rows.append(f"| CPU per episode, same sandbox episodes vs a command to the pre-forked plain "
+                f"interpreter (fork server) | {cpu['sandbox']:.2f} ms | {cpu['prefork']:.2f} ms | "
+                f"{cpu['sandbox'] / cpu['prefork']:.2f}x |")
   prof_lines = [
       "", f"Start profile ({prof['n']} sandboxes started one at a time from a running spawn "
       "helper; p50 wall ms of each phase, stamped by the process doing it; Z's phases overlap "
@@ -198,4 +278,10 @@ def markdown(b2b: dict, prof: dict) -> tuple[list[str], list[str]]:
   prof_lines += [f"| episode step: {k} | {v:.2f} |" for k, v in prof["steps_ms"].items()]
   prof_lines += [f"| previous design, for comparison: {k} | {v:.2f} |"
                  for k, v in prof["old_ms"].items()]
+  if cpu:
+    prof_lines.append(f"| CPU ms per run of the previous design's interpreter start (cpuacct) | "
+                      f"{cpu['old_interpreter']:.2f} |")
+    if "old_bwrap" in cpu:
+      prof_lines.append(f"| CPU ms per run of the previous design's bwrap, exec /usr/bin/true "
+                        f"(cpuacct) | {cpu['old_bwrap']:.2f} |")
   return rows, prof_lines

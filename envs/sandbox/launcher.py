@@ -33,22 +33,20 @@ class SpawnError(RuntimeError):
 
 @dataclasses.dataclass
 class Spawned:
-  """A sandbox's processes as the helper reports them (host pids, and pidfds of both).
-
-  pid: C, the sandbox's outer process; it exits only once every process of the sandbox is gone.
-  init: Z, the sandbox's PID 1 (the zygote); the same as pid in degraded mode.
-  """
+  """A sandbox's first process Z, the zygote (PID 1 of the sandbox's PID namespace): its host
+  pid and a pidfd. Z exits only once every process of the sandbox is gone."""
   pid: int
-  init: int
   pidfd: int
-  init_pidfd: int
 
 
 class Launcher:
   """The spawn helper process and the socket to it. Thread-safe."""
 
-  def __init__(self, features: hostcheck.HostFeatures, opt_dir: str, root: str):
+  def __init__(self, features: hostcheck.HostFeatures, opt_dir: str, root: str, *,
+               namespaces: bool = True):
+    """Starts the helper for namespaced sandboxes, or degraded ones (`namespaces=False`)."""
     self.features = features
+    self.namespaces = namespaces
     self.opt_dir = opt_dir
     self.site_dir = os.path.join(os.path.dirname(opt_dir), "opt_site")
     # An empty directory each sandbox mounts its own new root (a tmpfs) on, in its own mount
@@ -63,7 +61,9 @@ class Launcher:
     try:
       self.proc = subprocess.Popen(
           [features.python or "python3", "-s", "-B", os.path.join(opt_dir, "spawner.py"),
-           str(theirs.fileno())], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+           str(theirs.fileno()), "--ns" if namespaces else "--degraded",
+           # The cap on all tasks of the sandbox uid where pids cgroups bound each sandbox.
+           str(features.nproc_cap if features.cgroup_pids else 0)], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
           stdout=subprocess.DEVNULL, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
           cwd=root, start_new_session=True, close_fds=True, **kw)
     finally:
@@ -79,8 +79,7 @@ class Launcher:
     self._lock = threading.Lock()
     self._ids = itertools.count()
 
-  def spawn(self, *, workspace: str, cgroup_procs: list[str], namespaces: bool,
-            nproc_cap: int, timeout_s: float = 10.0,
+  def spawn(self, *, workspace: str, cgroup_procs: list[str], timeout_s: float = 10.0,
             profile: dict | None = None) -> tuple[Spawned, int, int]:
     """Starts one sandbox; returns its processes and the host's ends of its control pipe
     (write, read). The sandbox joins the cgroups whose cgroup.procs paths are given before
@@ -91,8 +90,8 @@ class Launcher:
     try:
       for path in cgroup_procs:
         fds.append(os.open(path, os.O_WRONLY | os.O_CLOEXEC))
-      req = {"ns": namespaces, "workspace": workspace, "opt": self.opt_dir,
-             "site": self.site_dir, "newroot": self.newroot, "nproc_cap": nproc_cap}
+      req = {"ns": self.namespaces, "workspace": workspace, "opt": self.opt_dir,
+             "site": self.site_dir, "newroot": self.newroot}
       if profile is not None:
         req["profile"] = True
       with self._lock:
@@ -117,10 +116,7 @@ class Launcher:
       raise SpawnError(reply["error"])
     if profile is not None:
       profile.update(reply.get("profile", {}))
-    pidfd = got[0]
-    init_pidfd = got[1] if len(got) > 1 else os.dup(pidfd)
-    return (Spawned(reply["pid"], reply["init"], pidfd, init_pidfd), to_zygote_w,
-            from_zygote_r)
+    return Spawned(_pidfd_pid(got[0]), got[0]), to_zygote_w, from_zygote_r
 
   def _recv(self, want: int, deadline: float) -> tuple[dict, list[int]]:
     while True:
@@ -144,7 +140,7 @@ class Launcher:
         os.close(fd)
 
   def close(self) -> None:
-    """Closes the socket: the helper kills every sandbox it made and exits."""
+    """Closes the socket: the helper ends every sandbox it made and exits."""
     try:
       self._sock.close()
     except OSError:
@@ -155,3 +151,13 @@ class Launcher:
       self.proc.kill()
       self.proc.wait(timeout=10)
 
+
+
+def _pidfd_pid(pidfd: int) -> int:
+  """The pid, in this process's PID namespace, of the process a pidfd refers to (the helper
+  knows only its own namespace's)."""
+  with open(f"/proc/self/fdinfo/{pidfd}") as f:
+    for line in f:
+      if line.startswith("Pid:"):
+        return int(line.split()[1])
+  raise SpawnError("no pid in the pidfd's fdinfo")

@@ -83,7 +83,8 @@ class WarmPool:
     self.root = root or tempfile.mkdtemp(prefix=f"envs-fleet-{os.getpid()}-", dir=tmp_root)
     os.chmod(self.root, 0o711)
     self.opt_dir = slot_lib.prepare_opt(self.features, self.root)
-    self.launcher = launcher_lib.Launcher(self.features, self.opt_dir, self.root)
+    self.launcher = launcher_lib.Launcher(self.features, self.opt_dir, self.root,
+                                          namespaces=not self.degraded)
     self._idle: collections.deque[slot_lib.Slot] = collections.deque()
     self._cv = threading.Condition()
     self._live = 0  # idle + in use + starting

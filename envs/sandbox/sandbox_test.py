@@ -356,7 +356,8 @@ def test_shared_process_limit_is_reported(held):
   del held
   features = dataclasses.replace(hostcheck.detect(), cgroup_memory=None, cgroup_pids=None)
   root = _slot_root()
-  spawn = launcher.Launcher(features, slot_lib.prepare_opt(features, root), root)
+  spawn = launcher.Launcher(features, slot_lib.prepare_opt(features, root), root,
+                            namespaces=False)
   s = slot_lib.Slot(root, features, degraded=True, launcher=spawn)
   try:
     s.wait_ready()

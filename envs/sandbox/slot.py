@@ -178,10 +178,12 @@ class Slot:
       self._set_limits(_DEFAULT_MEMORY_MB, _DEFAULT_NPROC)
       if profile:
         self.profile["host_dirs_cgroups"] = time.perf_counter()
+      if launcher.namespaces == degraded:
+        raise ValueError(f"a {'degraded' if degraded else 'namespaced'} sandbox needs a "
+                         "launcher of its kind")
       self.spawned, self._w, self._r = launcher.spawn(
-          workspace=self.workspace, namespaces=not degraded,
+          workspace=self.workspace,
           cgroup_procs=[os.path.join(p, "cgroup.procs") for p in self.cgroups.values()],
-          nproc_cap=self.features.nproc_cap if "pids" in self.cgroups else 0,
           profile=self.profile)
       if profile:
         self.profile["host_spawn_reply"] = time.perf_counter()
@@ -197,7 +199,7 @@ class Slot:
   # -- start -----------------------------------------------------------------------------------
 
   def alive(self) -> bool:
-    """Whether the sandbox's outer process is still running."""
+    """Whether the sandbox's first process (the zygote) is still running."""
     return not _exited(self.spawned.pidfd)
 
   def _rlimit_nproc(self, nproc: int) -> int:
@@ -383,11 +385,8 @@ class Slot:
     if not self.degraded:
       # Kill the namespace's init (the zygote), through its pidfd: the kernel then kills
       # everything else in the namespace, and the init's exit completes only once all of it has
-      # been reaped; its parent (the sandbox's outer process) reaps it and exits. So the outer
-      # process's exit means every process is gone.
-      self._init_killed = _pidfd_kill(self.spawned.init_pidfd)
-      if not self._init_killed:
-        _pidfd_kill(self.spawned.pidfd)
+      # been reaped. So its exit means every process is gone.
+      self._init_killed = _pidfd_kill(self.spawned.pidfd)
     else:
       # Without namespaces the zygote is the subreaper of everything it started: at EOF on its
       # control pipe it kills and reaps every one, says so, then exits. (Killed first, its
@@ -408,7 +407,7 @@ class Slot:
     self.closed = True
     self.kill()
     self.processes_gone = self._wait_gone(time.monotonic() + _TEARDOWN_S)
-    for fd in (self._w, self._r, self.spawned.pidfd, self.spawned.init_pidfd):
+    for fd in (self._w, self._r, self.spawned.pidfd):
       _close(fd)
     self._w = self._r = -1
 

@@ -6,34 +6,36 @@ whose threads, JAX's among them, make `os.fork` unsafe there). It is single-thre
 it is safe.
 
 Why: a sandbox used to be bubblewrap exec'ing a fresh `python3 zygote.py`. The interpreter's
-start and the zygote's imports were most of a start (about 15 of 25 ms of CPU on 2 cores) and
-what bounded burst throughput. Forked from here, a sandbox costs a fork and the namespace and
-mount set-up, the same set-up bubblewrap does, done here with the same system calls:
+start and the zygote's imports were most of a start's CPU (see BENCHMARKS.md) and what bounded
+burst throughput. Forked from here, a sandbox costs one fork plus the namespace and mount set-up
+bubblewrap did, done here with the same system calls:
 
-  C, a fork of this process: joins the sandbox's cgroups (through cgroup.procs descriptors the
-  host opened), sets the host-wide RLIMIT_NPROC cap, unshares user (root inside mapped to the
-  sandbox uid), mount, PID, network, IPC, UTS and cgroup namespaces, forks the sandbox's init Z,
-  answers the host with pidfds of both, and waits for Z. C exits only once Z has been reaped,
-  which completes only once every process of the PID namespace has been reaped (as bwrap did).
+  At start the helper makes the pool's user namespace (root inside mapped to the sandbox uid)
+  and a PID namespace, and serves from that PID namespace's init (see `_pool_namespaces`).
 
-  Z, PID 1 of the new PID namespace: builds the root (a fresh tmpfs holding /usr read-only,
-  /proc, a minimal /dev, a fresh /tmp, the workspace, the programs read-only at /opt/envs),
-  pivots into it and detaches the host's tree, remounts / read-only, brings up loopback, sets the
-  hostname, caps user namespaces at the one it then enters (uid nobody inside, no capabilities,
-  no_new_privs: `--disable-userns`), and becomes the zygote.
+  Per request it forks Z into a new PID namespace of its own and answers the host with a pidfd
+  of Z. Z, PID 1 there: joins the sandbox's cgroups (through cgroup.procs descriptors the host
+  opened), unshares mount, network, IPC, UTS and cgroup namespaces, builds the root (a fresh
+  tmpfs holding /usr read-only, /proc, a minimal /dev, a fresh /tmp, the workspace, the
+  programs read-only at /opt/envs), pivots into it and detaches the host's tree, remounts /
+  read-only, brings up loopback, sets the hostname, enters a user namespace of its own capped at
+  one more and that one (uid nobody, no capabilities, no_new_privs: bwrap's --disable-userns),
+  and becomes the zygote. Z's exit completes only once every process of its PID namespace has
+  been reaped, so the pidfd says when the sandbox is gone.
 
-Every sandbox gets new namespaces, a new tmpfs /tmp and /dev, and a new cgroup; nothing but
-this program's read-only code pages is shared between sandboxes. Death: C and Z have
-PR_SET_PDEATHSIG, and this program kills every C at EOF on its socket (the host process gone).
+Every sandbox gets new namespaces (its user namespace nested in the pool's), a new tmpfs /tmp
+and /dev, and a new cgroup; what sandboxes share is this program's memory image, forked.
+Death: when the helper's init exits (at EOF on its socket: the host closed it or died), the
+kernel kills every process of its PID namespace and the namespaces nested in it.
 
-Degraded mode (no user namespaces): C joins the cgroups, sets the rlimit, moves to the
-workspace and becomes the zygote on the host.
+Degraded mode (no user namespaces): Z joins the cgroups, moves to the workspace and becomes the
+zygote on the host, with PR_SET_PDEATHSIG; the helper kills them at EOF.
 
+Usage: spawner.py SOCKET_FD --ns|--degraded NPROC_CAP (0: leave RLIMIT_NPROC as it is).
 Protocol (SOCK_SEQPACKET, fds by SCM_RIGHTS): request {"id", "ns", "workspace", "opt", "site",
-"newroot", "nproc_cap"[, "profile"]} with fds [zygote's control read end, its control write
-end, n cgroup.procs descriptors]; the reply, sent by C, {"id", "pid", "init"} with [pidfd of C,
-pidfd of Z] (just C's in degraded mode), or {"id", "error"}. With "profile", C's reply and the
-zygote's ready message carry {phase: time.perf_counter()} marks and each process's CPU time.
+"newroot"[, "profile"]} with fds [zygote's control read end, its control write end, cgroup.procs
+descriptors]; the reply {"id"} with [pidfd of Z], or {"id", "error"}. With "profile", the reply
+and the zygote's ready message carry {phase: time.perf_counter()} marks and CPU seconds.
 """
 
 import ctypes
@@ -106,11 +108,12 @@ def _write(path, text):
     os.close(fd)
 
 
-def _map_ids(inside, outside):
-  """Maps one uid and gid of a just-made user namespace (all an unprivileged process may)."""
+def _map_ids(inside, uid, gid):
+  """Maps one uid and gid of a just-made user namespace to this process's own outside (all an
+  unprivileged process may)."""
   _write("/proc/self/setgroups", "deny")
-  _write("/proc/self/uid_map", f"{inside} {outside} 1")
-  _write("/proc/self/gid_map", f"{inside} {outside} 1")
+  _write("/proc/self/uid_map", f"{inside} {uid} 1")
+  _write("/proc/self/gid_map", f"{inside} {gid} 1")
 
 
 def _bind(source, target, *, readonly, devices=False):
@@ -169,11 +172,14 @@ def _loopback_up():
 
 
 def _drop_privileges():
-  """Leaves the set-up user namespace for a nested one that can make no more (bwrap's
-  --disable-userns), as uid nobody, with no capabilities and no way to gain any."""
+  """Leaves the pool's user namespace for this sandbox's own, which may hold one more (bwrap's
+  --disable-userns: the limit is counted per namespace, so it is set in a namespace of the
+  sandbox's own), and that one, as uid nobody, with no capabilities and no way to gain any."""
+  _check(_libc.unshare(CLONE_NEWUSER), "unshare the sandbox's user namespace")
+  _map_ids(0, 0, 0)
   _write("/proc/sys/user/max_user_namespaces", "1")
   _check(_libc.unshare(CLONE_NEWUSER), "unshare the final user namespace")
-  _map_ids(SANDBOX_UID, 0)
+  _map_ids(SANDBOX_UID, 0, 0)
   with open("/proc/sys/kernel/cap_last_cap") as f:
     last = int(f.read())
   for cap in range(last + 1):
@@ -216,12 +222,23 @@ def _become_zygote(ctl_r, ctl_w, *, ns_mode, workspace, profile=None):
   os._exit(code)
 
 
-def _init(req, ctl_r, ctl_w):
-  """Z: PID 1 of the new namespaces. Builds the sandbox and becomes its zygote."""
+def _sandbox(req, ctl_r, ctl_w, cgroup_fds, ns):
+  """Z, a fork of the helper: the sandbox's first process (PID 1 of its PID namespace, or a
+  process on the host in degraded mode). Builds the sandbox and becomes its zygote."""
   try:
     if "profile" in req:
       req["profile"] = {"z_forked": time.perf_counter()}
-    _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for fd in cgroup_fds:
+      os.write(fd, b"0")  # This process; allowed by the opener's (the host's) credentials.
+      os.close(fd)
+    _mark(req, "z_cgroups")
+    if not ns:
+      os.chdir(req["workspace"])
+      _become_zygote(ctl_r, ctl_w, ns_mode=False, workspace=req["workspace"])
+    _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
+                         | CLONE_NEWCGROUP), "unshare namespaces")
+    _mark(req, "z_namespaces")
     _build_root(req)
     _mark(req, "z_root")
     _loopback_up()
@@ -260,75 +277,46 @@ def _mark(req, name):
     req["profile"][name] = time.perf_counter()
 
 
-def _child(req, fds, sock, parent):
-  """C: a fork of the spawner, one per sandbox. Never returns."""
-  try:
-    _mark(req, "c_forked")
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")
-    if os.getppid() != parent:
-      os._exit(1)  # The spawner died before the death signal was armed.
-    ctl_r, ctl_w, cgroup_fds = fds[0], fds[1], fds[2:]
-    for fd in cgroup_fds:
-      os.write(fd, b"0")  # This process; allowed by the opener's (the host's) credentials.
-      os.close(fd)
-    if req.get("nproc_cap"):
-      # Set before the user namespace is made: the kernel takes the namespace's limit on all
-      # tasks of the uid (host-wide, every sandbox's) from here.
-      cap = int(req["nproc_cap"])
-      resource.setrlimit(resource.RLIMIT_NPROC, (cap, cap))
-    _mark(req, "c_cgroups")
-    if not req["ns"]:
-      _reply(sock, {"id": req["id"], "pid": os.getpid(), "init": os.getpid()},
-             [os.pidfd_open(os.getpid())])
-      sock.close()
-      os.chdir(req["workspace"])
-      _become_zygote(ctl_r, ctl_w, ns_mode=False, workspace=req["workspace"])
-    uid = os.geteuid()
-    _check(_libc.unshare(CLONE_NEWUSER), "unshare user namespace")
-    _map_ids(0, uid)
-    _mark(req, "c_userns")
-    _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
-                         | CLONE_NEWCGROUP), "unshare namespaces")
-    _mark(req, "c_namespaces")
-    init = os.fork()
-    if init == 0:
-      sock.close()
-      _init(req, ctl_r, ctl_w)
-    os.close(ctl_r)
-    os.close(ctl_w)
-    _mark(req, "c_forked_init")
-    reply = {"id": req["id"], "pid": os.getpid(), "init": init}
-    if "profile" in req:
-      reply["profile"] = dict(req["profile"], c_cpu=time.process_time())
-    _reply(sock, reply, [os.pidfd_open(os.getpid()), os.pidfd_open(init)])
-    sock.close()
-    while True:
-      try:
-        os.waitpid(init, 0)
-        break
-      except InterruptedError:
-        continue
-      except ChildProcessError:
-        break
-    os._exit(0)
-  except BaseException as e:  # pylint: disable=broad-except
+def _pool_namespaces(nproc_cap):
+  """Makes the pool's user namespace (root inside is the sandbox uid outside) and PID namespace,
+  and returns in the process that is that PID namespace's init; the caller's process stays
+  outside, waits for it and exits with it (so the host's handle on the helper stays valid).
+
+  Why: the init forks each sandbox into a new PID namespace of its own (unshare(CLONE_NEWPID),
+  fork, then setns back, which needs CAP_SYS_ADMIN over the PID namespace it is in), so a
+  sandbox is one fork of this process. And when the init exits, the kernel kills every process
+  of its PID namespace and those nested in it: every sandbox of the pool.
+  """
+  if nproc_cap:
+    # Set before the user namespace is made: the kernel takes the namespace's limit on all
+    # tasks of the uid (every sandbox of the pool) from here.
+    resource.setrlimit(resource.RLIMIT_NPROC, (nproc_cap, nproc_cap))
+  uid, gid = os.geteuid(), os.getegid()
+  _check(_libc.unshare(CLONE_NEWUSER), "unshare the pool's user namespace")
+  _map_ids(0, uid, gid)
+  _check(_libc.unshare(CLONE_NEWPID), "unshare the pool's PID namespace")
+  init = os.fork()
+  if init == 0:
+    return os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+  while True:
     try:
-      _reply(sock, {"id": req.get("id"), "error": f"{type(e).__name__}: {e}\n"
-                    f"{traceback.format_exc(limit=4)}"})
-    except BaseException:  # pylint: disable=broad-except
-      pass
-    os._exit(1)
+      _, status = os.waitpid(init, 0)
+      os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+    except InterruptedError:
+      continue
+    except ChildProcessError:
+      os._exit(1)
 
 
-def serve(sock):
-  """Forks one C per request until EOF, then kills every C it made (and so their sandboxes)."""
-  # Children are reaped by the kernel: a C that exited never lingers as a zombie counting
-  # against its sandbox's pids cgroup. (C and Z set SIGCHLD back to the default.)
-  signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+def serve(sock, *, ns, nproc_cap):
+  """Forks one sandbox per request until EOF on the socket, then ends them all."""
   signal.signal(signal.SIGINT, signal.SIG_IGN)
+  pool_pidns = _pool_namespaces(nproc_cap) if ns else None
+  # Children are reaped by the kernel: a sandbox whose init exited never lingers as a zombie
+  # counting against its pids cgroup. (Each sandbox sets SIGCHLD back to the default.)
+  signal.signal(signal.SIGCHLD, signal.SIG_IGN)
   me = os.getpid()
-  live = {}  # pid -> pidfd of each C
+  live = {}  # pid -> pidfd of each degraded sandbox (namespaced ones end with this process)
   gc.collect()
   gc.freeze()  # Keep collections in the forks from writing to (and so copying) these pages.
   while True:
@@ -341,25 +329,47 @@ def serve(sock):
     req = {}
     try:
       req = json.loads(msg)
+      if req["ns"] != ns:
+        raise ValueError(f"this helper makes {'namespaced' if ns else 'degraded'} sandboxes")
       if "profile" in req:
-        req["profile"] = {"spawner_received": time.perf_counter()}
-      pid = os.fork()
+        req["profile"] = {"spawner_received": time.perf_counter(), "s_cpu": time.process_time()}
+      pid = _fork_sandbox(pool_pidns)
     except BaseException as e:  # pylint: disable=broad-except
       for fd in fds:
         os.close(fd)
       _reply(sock, {"id": req.get("id"), "error": f"spawner: {type(e).__name__}: {e}"})
       continue
     if pid == 0:
-      for fd in live.values():
-        os.close(fd)
-      _child(req, fds, sock, me)
+      try:
+        for fd in live.values():
+          os.close(fd)
+        sock.close()
+        if pool_pidns is not None:
+          os.close(pool_pidns)
+        if not ns:
+          _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")
+          if os.getppid() != me:
+            os._exit(1)  # The helper died before the death signal was armed.
+      except BaseException:  # pylint: disable=broad-except
+        os._exit(1)
+      _sandbox(req, fds[0], fds[1], fds[2:], ns)  # Never returns.
     for fd in fds:
       os.close(fd)
+    reply = {"id": req["id"]}
     try:
-      live[pid] = os.pidfd_open(pid)
-    except OSError:
-      pass  # Already gone.
-    for p, fd in list(live.items()):  # Forget the Cs that have exited.
+      pidfd = os.pidfd_open(pid)
+    except OSError as e:
+      _reply(sock, {"id": req["id"], "error": f"spawner: the sandbox exited at once ({e})"})
+      continue
+    if "profile" in req:
+      reply["profile"] = dict(req["profile"], spawner_forked=time.perf_counter(),
+                              s_cpu=time.process_time() - req["profile"]["s_cpu"])
+    _reply(sock, reply, [pidfd])
+    if ns:
+      os.close(pidfd)
+      continue
+    live[pid] = pidfd
+    for p, fd in list(live.items()):  # Forget the sandboxes that have exited.
       if _exited(fd):
         os.close(fd)
         del live[p]
@@ -368,6 +378,23 @@ def serve(sock):
       signal.pidfd_send_signal(fd, signal.SIGKILL)
     except OSError:
       pass
+  # Namespaced sandboxes: this process is their PID namespaces' ancestor's init; its exit
+  # takes them all down.
+
+
+def _fork_sandbox(pool_pidns):
+  """os.fork(), the child in a new PID namespace of its own (as its PID 1) when `pool_pidns`
+  (an fd of this process's PID namespace) is given."""
+  if pool_pidns is None:
+    return os.fork()
+  _check(_libc.unshare(CLONE_NEWPID), "unshare a PID namespace")
+  pid = -1
+  try:
+    pid = os.fork()
+  finally:
+    if pid != 0:  # Here, not in the child, which is in the new namespace for good.
+      _check(_libc.setns(pool_pidns, CLONE_NEWPID), "setns back to the pool's")
+  return pid
 
 
 def _exited(pidfd):
@@ -375,23 +402,17 @@ def _exited(pidfd):
 
 
 def probe(req):
-  """Builds one sandbox and runs `true` in it, as a host check (see `hostcheck`)."""
+  """Builds one sandbox the way `serve` does, runs nothing in it, as a host check (see
+  `hostcheck`). Raises if any step fails."""
   ctl_r, host_w = os.pipe()
   host_r, ctl_w = os.pipe()
-  a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-  pid = os.fork()
+  pid = _fork_sandbox(_pool_namespaces(0))  # As serve() does.
   if pid == 0:
-    a.close()
-    _child(dict(req, id=0, ns=True, probe=True), [ctl_r, ctl_w], b, os.getppid())
-  b.close()
+    _sandbox(dict(req, probe=True), ctl_r, ctl_w, [], True)
   os.close(ctl_r)
   os.close(ctl_w)
-  msg, fds, _, _ = socket.recv_fds(a, 1 << 16, 4)
-  reply = json.loads(msg)
-  if "error" in reply:
-    raise OSError(reply["error"])
   first = os.read(host_r, 1 << 16)
-  os.close(host_w)  # The zygote exits at EOF.
+  os.close(host_w)
   os.waitpid(pid, 0)
   if b'"probe": true' not in first:
     raise OSError(first[4:].decode(errors="replace"))
@@ -405,4 +426,5 @@ if __name__ == "__main__":
       print(f"{type(e).__name__}: {e}", file=sys.stderr)
       sys.exit(1)
     sys.exit(0)
-  serve(socket.socket(fileno=int(sys.argv[1])))
+  serve(socket.socket(fileno=int(sys.argv[1])), ns=sys.argv[2] == "--ns",
+        nproc_cap=int(sys.argv[3]))

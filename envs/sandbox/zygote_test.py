@@ -99,7 +99,7 @@ def test_dead_spare_is_replaced(pool):
     assert sb.exec(["true"]).exit_code == 0
     # Answered only once the zygote has forked the spare that follows the exec.
     spare = sb.slot.spare_pid()
-    spares = _host_children(sb.slot.spawned.init)
+    spares = _host_children(sb.slot.pid)
     assert len(spares) == 1 and _ns_pid(spares[0]) == spare, (spares, spare)
     os.kill(spares[0], signal.SIGKILL)
     # Exited (a zombie until the zygote reaps it): its pipe ends are closed, so the zygote's
