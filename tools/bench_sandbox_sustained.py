@@ -272,7 +272,7 @@ def markdown(b2b: dict, prof: dict, cpu: dict | None = None) -> tuple[list[str],
   prof_lines = [
       "", f"Start profile ({prof['n']} sandboxes started one at a time from a running spawn "
       "helper; p50 wall ms of each phase, stamped by the process doing it; Z's phases overlap "
-      "C's answer):", "", "| phase | p50 ms |", "| --- | --- |"]
+      "the helper's answer):", "", "| phase | p50 ms |", "| --- | --- |"]
   prof_lines += [f"| {label} | {v:.2f} |" for label, v in prof["phases_ms"]]
   prof_lines += [f"| CPU: {k} | {v:.2f} |" for k, v in prof["cpu_ms"].items()]
   prof_lines += [f"| episode step: {k} | {v:.2f} |" for k, v in prof["steps_ms"].items()]

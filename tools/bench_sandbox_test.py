@@ -47,12 +47,12 @@ def test_quick_run_reports_like_for_like_rows_from_its_samples(tmp_path, capsys)
   assert bench_sandbox.main(["--quick", "--json", str(out)]) == 0
   text = capsys.readouterr().out
   res = json.loads(out.read_text())
-  assert res["samples"] == {"cold": 5, "warm": 10, "refill_delayed": 5}
+  assert res["samples"] == {"cold": 5, "warm": 10, "refill_now": 5}
   cold, warm = res["cold_ms"], res["latency_ms"]
   # Every side measured; p99 of the same samples is never below their p50.
   for d, sides in ((cold, ("sandbox", "plain", "teardown")),
                    (warm, ("sandbox", "plain", "degraded", "again", "plain_again", "true",
-                           "plain_true", "refill_delayed"))):
+                           "plain_true", "refill_now"))):
     for side in sides:
       assert 0 < d[f"{side}_p50"] <= d[f"{side}_p99"], (side, d)
   # A cold sandbox starts the spawn helper (a whole interpreter) and a sandbox; a warm one is a

@@ -9,9 +9,11 @@ Sizing to demand: the pool keeps `target` idle slots, at least `size`. An acquir
 idle slot (a miss: demand outran the refill) raises the target by one, up to `max_idle`, so a
 sustained stream or a burst soon finds slots waiting; after `shrink_after_s` without a miss the
 target falls back by one at a time, and an idle slot above it is destroyed, so a quiet pool holds
-no more memory than `size` sandboxes. Refills start as soon as a slot is taken (concurrently with
-the episode); `refill_delay_s` can hold them back while idle slots remain, for hosts where a
-start competing with the first command for the CPU matters more than keeping up.
+no more memory than `size` sandboxes. Refills run concurrently with the episodes. While demand is
+low (the target is `size`) and idle slots remain, a refill waits `refill_delay_s` after the last
+acquire, so on a small host its start-up CPU does not compete with the first command of the
+episode just handed out (bench_sandbox's warm rows); once demand has raised the target, refills
+start as soon as a slot is taken, to keep up.
 
 `max_live` caps idle plus in-use slots, so a burst of a thousand queued episodes waits for slots
 instead of starting a thousand sandboxes at once: memory stays bounded at roughly `max_live`
@@ -51,12 +53,12 @@ class WarmPool:
       its own processes, then the ready handshake), so several in flight keep both cores busy.
     root: where slot directories live (default: a fresh temporary directory).
     refill_delay_s: how long a replacement waits after the last acquire while idle slots remain
-      (0, the default: start replacements at once).
+      and the target is `size` (0: start replacements at once, always).
   """
 
   def __init__(self, size: int = 4, *, max_live: int | None = None, allow_degraded: bool = False,
                force_degraded: bool = False, spawn_threads: int = 4, root: str | None = None,
-               refill_delay_s: float = 0.0, max_idle: int | None = None,
+               refill_delay_s: float = 0.03, max_idle: int | None = None,
                shrink_after_s: float = 5.0):
     if refill_delay_s < 0:
       raise ValueError(f"refill_delay_s must be >= 0, got {refill_delay_s}")
@@ -133,7 +135,7 @@ class WarmPool:
             self._cv.wait(shrink_in)
             continue
           defer = self._last_acquire + self.refill_delay_s - time.monotonic()
-          if self._idle and defer > 0:
+          if self._idle and defer > 0 and self.target <= self.size:
             self._cv.wait(defer)
             continue
           break
