@@ -274,7 +274,7 @@ class Slot:
 
     The zygote forks the next spare right after answering a request and before reading the
     next one, so this round trip returns only once the spare that follows the last request
-    exists: a test can look for it without sleeping. The pid is the sandbox's own (its PID
+    exists and has done its set-up: a test can look for it without sleeping. The pid is the sandbox's own (its PID
     namespace's) unless the sandbox is degraded.
     """
     return self.request({"op": "ping"}, timeout_s=timeout_s)["spare_pid"]

@@ -98,6 +98,7 @@ class _Spare:
     self.err_r = err_r
     self.aud_r = aud_r
     self.status_r = status_r
+    self.ready = False  # Whether its READY was read (see Zygote._await_spare).
 
   def close(self):
     for fd in (self.req_w, self.in_w, self.out_r, self.err_r, self.aud_r, self.status_r):
@@ -226,7 +227,7 @@ class Zygote:
     """Waits until the spare has done its set-up (it writes READY on its status pipe), so the
     first command of a sandbox the host was told is ready does not wait for it. A spare that
     died instead (EOF) is replaced on demand by _take_spare."""
-    if self._spare is None:
+    if self._spare is None or self._spare.ready:
       return
     fd, got = self._spare.status_r, b""
     deadline = time.monotonic() + timeout_s
@@ -238,6 +239,7 @@ class Zygote:
       if not chunk:
         return
       got += chunk
+    self._spare.ready = True
 
   def _take_spare(self, body, stdin_data):
     """Hands the request to the spare (forking one if needed); returns it, now running."""
@@ -337,8 +339,10 @@ class Zygote:
 
   def op_ping(self, req):
     # Requests are served one at a time and the next spare is forked before the next request
-    # is read, so the answer to a ping after an exec names that exec's replacement spare.
+    # is read, so the answer to a ping after an exec names that exec's replacement spare, which
+    # has done its set-up by then.
     del req
+    self._await_spare()
     return {"pid": os.getpid(), "spare_pid": self._spare.pid if self._spare else None}
 
   def op_exec(self, req):
