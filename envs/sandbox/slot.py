@@ -129,6 +129,33 @@ def _cgroup_write(path: str, value: str) -> None:
     f.write(value)
 
 
+class SandboxProcess:
+  """The sandbox's first process (its zygote), with the part of `subprocess.Popen`'s interface
+  callers use: `pid`, `kill()`, `wait(timeout)`, `poll()`. Not this process's child (the spawn
+  helper's), so its exit status is unknown: `poll()` and `wait()` give -1 once it has exited."""
+
+  def __init__(self, pid: int, pidfd: int):
+    self.pid = pid
+    self._pidfd = pidfd
+    self.returncode: int | None = None
+
+  def kill(self) -> None:
+    """Kills it, and so the whole sandbox (see `Slot.kill`)."""
+    _pidfd_kill(self._pidfd)
+
+  def poll(self) -> int | None:
+    if self.returncode is None and _exited(self._pidfd):
+      self.returncode = -1
+    return self.returncode
+
+  def wait(self, timeout: float | None = None) -> int:
+    if self.returncode is None:
+      if not select.select([self._pidfd], [], [], timeout)[0]:
+        raise subprocess.TimeoutExpired(f"sandbox process {self.pid}", timeout)
+      self.returncode = -1
+    return self.returncode
+
+
 class Slot:
   """A started sandbox. Not thread-safe for concurrent requests; one episode owns it."""
 
@@ -192,6 +219,7 @@ class Slot:
       self._remove()
       raise SlotError(f"sandbox {self.id} did not start: {e}") from e
     self.pid = self.spawned.pid
+    self.proc = SandboxProcess(self.spawned.pid, self.spawned.pidfd)
     self.zygote_pid = None
     self.runner_path = (os.path.join(self.opt_dir, "testrunner.py") if degraded else
                         "/opt/envs/testrunner.py")

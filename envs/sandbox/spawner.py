@@ -50,7 +50,6 @@ import socket
 import struct
 import sys
 import time
-import traceback
 
 # Everything a sandbox's start and its zygote use is imported here, once: an import in a fork
 # would be paid again by every sandbox. (hostcheck's probe runs this file's source with -c and
