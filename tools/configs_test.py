@@ -91,7 +91,8 @@ def test_rl_run_file_builds_the_rl_learner_defaults():
 
 def test_default_experiment_values_and_command_line_overrides():
   cfg = configs.load_experiment([DEFAULT], num_devices=1)
-  assert (cfg.pretrain.steps, cfg.pretrain.batch_rows, cfg.pretrain.seq_len) == (400, 32, 128)
+  assert (cfg.pretrain.steps, cfg.pretrain.batch_rows, cfg.pretrain.seq_len) == (150, 32, 128)
+  assert (cfg.tokenizer, cfg.bpe_vocab_size) == ("bpe", 2048)  # the main job's real tokenizer
   assert (cfg.pretrain.learning_rate, cfg.pretrain.corpus_repeats) == (3e-3, 1)
   p = cfg.rl.pipeline
   assert (cfg.rl.steps, cfg.rl.learner.optimizer.learning_rate) == (100, 1e-4)
