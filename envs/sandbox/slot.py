@@ -37,14 +37,17 @@ import json
 import os
 import select
 import shutil
-import signal
 import struct
 import subprocess
 import threading
 import time
 
 from envs.sandbox import hostcheck
+from envs.sandbox import host_procs
 from envs.sandbox import launcher as launcher_lib
+
+# Removes what dead fleet hosts left behind (the pool calls it at start).
+sweep_stale = host_procs.sweep_stale
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _IDS = itertools.count()
@@ -124,38 +127,6 @@ class Result:
     return self.infra_error is None and self.exit_code == 0 and not self.timed_out
 
 
-def _cgroup_write(path: str, value: str) -> None:
-  with open(path, "w") as f:
-    f.write(value)
-
-
-class SandboxProcess:
-  """The sandbox's first process (its zygote), with the part of `subprocess.Popen`'s interface
-  callers use: `pid`, `kill()`, `wait(timeout)`, `poll()`. Not this process's child (the spawn
-  helper's), so its exit status is unknown: `poll()` and `wait()` give -1 once it has exited."""
-
-  def __init__(self, pid: int, pidfd: int):
-    self.pid = pid
-    self._pidfd = pidfd
-    self.returncode: int | None = None
-
-  def kill(self) -> None:
-    """Kills it, and so the whole sandbox (see `Slot.kill`)."""
-    _pidfd_kill(self._pidfd)
-
-  def poll(self) -> int | None:
-    if self.returncode is None and _exited(self._pidfd):
-      self.returncode = -1
-    return self.returncode
-
-  def wait(self, timeout: float | None = None) -> int:
-    if self.returncode is None:
-      if not select.select([self._pidfd], [], [], timeout)[0]:
-        raise subprocess.TimeoutExpired(f"sandbox process {self.pid}", timeout)
-      self.returncode = -1
-    return self.returncode
-
-
 class Slot:
   """A started sandbox. Not thread-safe for concurrent requests; one episode owns it."""
 
@@ -219,7 +190,7 @@ class Slot:
       self._remove()
       raise SlotError(f"sandbox {self.id} did not start: {e}") from e
     self.pid = self.spawned.pid
-    self.proc = SandboxProcess(self.spawned.pid, self.spawned.pidfd)
+    self.proc = host_procs.SandboxProcess(self.spawned.pid, self.spawned.pidfd)
     self.zygote_pid = None
     self.runner_path = (os.path.join(self.opt_dir, "testrunner.py") if degraded else
                         "/opt/envs/testrunner.py")
@@ -228,7 +199,7 @@ class Slot:
 
   def alive(self) -> bool:
     """Whether the sandbox's first process (the zygote) is still running."""
-    return not _exited(self.spawned.pidfd)
+    return not host_procs.exited(self.spawned.pidfd)
 
   def _rlimit_nproc(self, nproc: int) -> int:
     """RLIMIT_NPROC for a command allowed `nproc` processes (see the module docstring)."""
@@ -374,7 +345,7 @@ class Slot:
     after = self._read_counts()
     self._counts = after
     violations = list(resp["violations"])
-    violations += _cgroup_violations(before, after, violations)
+    violations += host_procs.cgroup_violations(before, after, violations)
     for ev in resp["events"]:
       violations.append(f"{ev['kind']}: {ev['detail']}")
     if self.effective.nproc_shared:
@@ -391,16 +362,16 @@ class Slot:
     for ctl, name, value in (("memory", "memory.limit_in_bytes", (memory_mb + _ZYGOTE_MB) << 20),
                              ("pids", "pids.max", nproc + 1)):
       if ctl in self.cgroups and self._limits.get(name) != str(value):
-        _cgroup_write(os.path.join(self.cgroups[ctl], name), str(value))
+        host_procs.cgroup_write(os.path.join(self.cgroups[ctl], name), str(value))
         self._limits[name] = str(value)
 
   def _read_counts(self) -> dict[str, int]:
     """How often each cgroup limit has been hit so far."""
     counts = {}
     if "memory" in self.cgroups:
-      counts["memory"] = _read_int(os.path.join(self.cgroups["memory"], "memory.failcnt"))
+      counts["memory"] = host_procs.read_int(os.path.join(self.cgroups["memory"], "memory.failcnt"))
     if "pids" in self.cgroups:
-      counts["pids"] = _read_pids_events(self.cgroups["pids"])
+      counts["pids"] = host_procs.read_pids_events(self.cgroups["pids"])
     return counts
 
   # -- teardown --------------------------------------------------------------------------------
@@ -414,12 +385,12 @@ class Slot:
       # Kill the namespace's init (the zygote), through its pidfd: the kernel then kills
       # everything else in the namespace, and the init's exit completes only once all of it has
       # been reaped. So its exit means every process is gone.
-      self._init_killed = _pidfd_kill(self.spawned.pidfd)
+      self._init_killed = host_procs.pidfd_kill(self.spawned.pidfd)
     else:
       # Without namespaces the zygote is the subreaper of everything it started: at EOF on its
       # control pipe it kills and reaps every one, says so, then exits. (Killed first, its
       # processes would be orphaned to the host's init, which may take seconds to reap them.)
-      _close(self._w)
+      host_procs.close_fd(self._w)
       self._w = -1
 
   def close(self) -> None:
@@ -436,7 +407,7 @@ class Slot:
     self.kill()
     self.processes_gone = self._wait_gone(time.monotonic() + _TEARDOWN_S)
     for fd in (self._w, self._r, self.spawned.pidfd):
-      _close(fd)
+      host_procs.close_fd(fd)
     self._w = self._r = -1
 
   def _wait_gone(self, deadline: float) -> bool:
@@ -446,17 +417,17 @@ class Slot:
       # found only through a cgroup.
       gone = self._said_bye(time.monotonic() + min(_DEGRADED_EXIT_S, left()))
       if not gone:
-        _pidfd_kill(self.spawned.pidfd)
+        host_procs.pidfd_kill(self.spawned.pidfd)
     else:
       gone = self._init_killed
-    if not _wait_pidfd(self.spawned.pidfd, left()):
-      _pidfd_kill(self.spawned.pidfd)
-      _wait_pidfd(self.spawned.pidfd, 1.0)
+    if not host_procs.wait_pidfd(self.spawned.pidfd, left()):
+      host_procs.pidfd_kill(self.spawned.pidfd)
+      host_procs.wait_pidfd(self.spawned.pidfd, 1.0)
       return False
     # Where there is a cgroup it has the last word: kill whatever is in it until nothing is.
     for ctl in ("pids", "memory"):
       if ctl in self.cgroups:
-        return _empty_cgroup(self.cgroups[ctl], ctl, deadline)
+        return host_procs.empty_cgroup(self.cgroups[ctl], ctl, deadline)
     return gone
 
   def _said_bye(self, deadline: float) -> bool:
@@ -480,7 +451,7 @@ class Slot:
           break
         except OSError:
           # Processes are still exiting (the kernel kills the namespace asynchronously).
-          _kill_cgroup(path)
+          host_procs.kill_cgroup(path)
           time.sleep(0.005)
     shutil.rmtree(self.dir, ignore_errors=True)
 
@@ -489,67 +460,6 @@ class Slot:
     cgroups."""
     self.close()
     self._remove()
-
-
-def _cgroup_violations(before: dict[str, int], after: dict[str, int],
-                       already: list[str]) -> list[str]:
-  out = []
-  if after.get("memory", 0) > before.get("memory", 0):
-    if not any(v.startswith("memory_limit") for v in already):
-      out.append("memory_limit: sandbox memory cgroup limit reached")
-  if after.get("pids", 0) > before.get("pids", 0):
-    if not any(v.startswith("process_limit") for v in already):
-      out.append("process_limit: sandbox pids cgroup limit reached")
-  return out
-
-
-def _pid_alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-    return True
-  except ProcessLookupError:
-    return False
-  except PermissionError:
-    return True
-
-
-def sweep_stale(features: hostcheck.HostFeatures, tmp_root: str = "/tmp") -> int:
-  """Removes cgroups and slot directories left by dead processes (a killed fleet host).
-
-  Returns how many cgroups were removed. This process's own are left to their pools (another
-  pool here may be creating one right now).
-  """
-  removed = 0
-  for parent in (features.cgroup_memory, features.cgroup_pids):
-    if not parent:
-      continue
-    try:
-      names = [n for n in os.listdir(parent) if n.startswith("envs-") and "-slot-" in n]
-    except OSError:
-      continue
-    for name in names:
-      try:
-        pid = int(name.split("-")[1])
-      except ValueError:
-        continue
-      path = os.path.join(parent, name)
-      if pid == os.getpid() or _pid_alive(pid):
-        continue
-      _kill_cgroup(path)
-      try:
-        os.rmdir(path)
-        removed += 1
-      except OSError:
-        pass  # Still in use (a live sandbox of this process) or still exiting.
-  try:
-    for name in os.listdir(tmp_root):
-      parts = name.split("-")
-      if name.startswith("envs-fleet-") and len(parts) > 3 and parts[2].isdigit():
-        if not _pid_alive(int(parts[2])):
-          shutil.rmtree(os.path.join(tmp_root, name), ignore_errors=True)
-  except OSError:
-    pass
-  return removed
 
 
 @functools.lru_cache(maxsize=None)
@@ -561,81 +471,3 @@ def _effective(features: hostcheck.HostFeatures, degraded: bool,
       cgroup_memory=features.cgroup_memory if "memory" in cgroups else None,
       cgroup_pids=features.cgroup_pids if "pids" in cgroups else None)
   return effective, effective.describe()
-
-
-def _exited(pidfd: int) -> bool:
-  return bool(select.select([pidfd], [], [], 0)[0])
-
-
-def _wait_pidfd(pidfd: int, timeout_s: float) -> bool:
-  """Waits up to timeout_s for the process to exit; True if it did. A pidfd becomes readable
-  as the process exits, so this returns at once (Popen.wait(timeout) polls, up to 50 ms late)."""
-  return bool(select.select([pidfd], [], [], max(0.0, timeout_s))[0])
-
-
-def _pidfd_kill(pidfd: int) -> bool:
-  try:
-    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-    return True
-  except OSError:
-    return False  # Already exited.
-
-
-def _close(fd: int) -> None:
-  if fd >= 0:
-    try:
-      os.close(fd)
-    except OSError:
-      pass
-
-
-def _empty_cgroup(path: str, ctl: str, deadline: float) -> bool:
-  """Kills what is in a cgroup until nothing is (a pids cgroup: until nothing counts there,
-  zombies included); False if something was left at the deadline."""
-  while True:
-    if ctl == "pids":
-      left = _read_int(os.path.join(path, "pids.current"))
-    else:
-      try:
-        with open(os.path.join(path, "cgroup.procs")) as f:
-          left = len(f.read().split())
-      except OSError:
-        left = 0
-    if not left:
-      return True
-    if time.monotonic() >= deadline:
-      return False
-    _kill_cgroup(path)
-    time.sleep(0.002)
-
-
-def _kill_cgroup(path: str) -> None:
-  try:
-    with open(os.path.join(path, "cgroup.procs")) as f:
-      for line in f:
-        try:
-          os.kill(int(line), signal.SIGKILL)
-        except (OSError, ValueError):
-          pass
-  except OSError:
-    pass
-
-
-def _read_int(path: str) -> int:
-  try:
-    with open(path) as f:
-      return int(f.read().split()[0])
-  except (OSError, ValueError, IndexError):
-    return 0
-
-
-def _read_pids_events(path: str) -> int:
-  try:
-    with open(os.path.join(path, "pids.events")) as f:
-      for line in f:
-        k, v = line.split()
-        if k == "max":
-          return int(v)
-  except (OSError, ValueError):
-    pass
-  return 0
