@@ -43,9 +43,9 @@ def default_pool() -> pool_lib.WarmPool:
       allow = os.environ.get("ENVS_SANDBOX_ALLOW_DEGRADED") == "1"
       size = int(os.environ.get("ENVS_SANDBOX_POOL_SIZE", "2"))
       # Room to grow under demand: a back-to-back caller outruns the refill (a start costs
-      # more CPU than a call's wait), so the idle buffer must cover a stream's deficit. With 8
-      # (4 x size) 130 of 330 back-to-back calls missed and p99 was ~27 ms; with 32, 21 missed
-      # and p99 ~14 ms (BENCHMARKS.md, "Sandbox fleet"). Idle slots above `size` go after a
+      # more CPU than a call's wait), so the idle buffer must cover a stream's deficit: with 8
+      # (4 x size) back-to-back p99 was 25.8 ms, with 32 14.9 ms (BENCHMARKS.md, "Sandbox
+      # fleet"). Idle slots above `size` go after a
       # quiet spell (WarmPool.shrink_after_s), so a quiet process holds `size`.
       max_live = int(os.environ.get("ENVS_SANDBOX_POOL_MAX_LIVE", str(max(32, 4 * size))))
       _default_pool = pool_lib.WarmPool(size=size, max_live=max_live, allow_degraded=allow)
