@@ -236,6 +236,11 @@ class ExperimentConfig:
   # from the context, which every evaluated task needs.
   rl_tasks: str = "train"
   rl_held_back_fraction: float = 0.4
+  # RL trains only on the tasks whose `metadata["template"]` is one of these (empty: every
+  # task). A template the pre-trained model never solves gives GRPO no signal (every group
+  # all-fail) yet costs the samplers whole episodes; leaving it out of RL spends them on
+  # tasks that can teach. Evaluation always covers every template.
+  rl_templates: tuple = ()
 
   def __post_init__(self):
     if self.suite not in SUITES:
@@ -256,6 +261,10 @@ class ExperimentConfig:
                        "is written in)")
     if self.rl_tasks not in RL_TASKS:
       raise ValueError(f"rl_tasks must be one of {RL_TASKS}, got {self.rl_tasks!r}")
+    if isinstance(self.rl_templates, str) or not all(
+        isinstance(t, str) and t for t in self.rl_templates):
+      raise ValueError(f"rl_templates must be a tuple of template names, got "
+                       f"{self.rl_templates!r}")
     if not 0.0 < self.rl_held_back_fraction < 1.0:
       raise ValueError(f"rl_held_back_fraction must lie in (0, 1), got "
                        f"{self.rl_held_back_fraction}")

@@ -274,7 +274,8 @@ def eval_split(cfg: ExperimentConfig, tasks: Optional[Sequence] = None):
 
   With cfg.rl_tasks == "held_back" the RL tasks are a share of the train tasks relabelled
   split="rl_only" in `all tasks`, so the corpus and the tokenizer, which read the train split,
-  never see them.
+  never see them. cfg.rl_templates then keeps the RL tasks of those templates only (the corpus
+  and the evaluated split keep every template).
 
   `tasks`: the tasks to use (default: cfg.task_file's, else the built-in suite of cfg.suite,
   envs.tasks.suite_pyfunc or envs.tasks.suite_repo),
@@ -298,6 +299,12 @@ def eval_split(cfg: ExperimentConfig, tasks: Optional[Sequence] = None):
     name = "held-out"
   if cfg.rl_tasks == "held_back":  # RL's tasks leave the train split, so the corpus lacks them
     all_tasks, _, train = splits.carve(all_tasks, cfg.rl_held_back_fraction, splits.RL_ONLY)
+  if cfg.rl_templates:
+    known = {t.metadata.get("template") for t in train}
+    if unknown := sorted(set(cfg.rl_templates) - known):
+      raise ValueError(f"rl_templates {unknown} match no RL task (their templates: "
+                       f"{sorted(map(str, known))})")
+    train = [t for t in train if t.metadata.get("template") in cfg.rl_templates]
   return all_tasks, train[:cfg.train_tasks], evaluated[:cfg.heldout_tasks], name
 
 

@@ -155,6 +155,26 @@ def test_held_back_rl_tasks_are_out_of_the_corpus_and_the_evaluated_split():
     ExperimentConfig(**repo, rl_tasks="held_back", rl_held_back_fraction=1.0)
 
 
+def test_rl_templates_filter_rl_tasks_only():
+  from experiment.config import AgentConfig  # pylint: disable=g-import-not-at-top
+  repo = dict(model=TINY, suite="repo", agent=AgentConfig(max_context_tokens=100),
+              validation_fraction=0.15, rl_tasks="held_back")
+  all_tasks, rl, evaluated, _ = run_lib.eval_split(ExperimentConfig(**repo))
+  kept = ("rename", "op")
+  f_all, f_rl, f_eval, _ = run_lib.eval_split(ExperimentConfig(**repo, rl_templates=kept))
+  assert [t.task_id for t in f_rl] == [t.task_id for t in rl
+                                       if t.metadata["template"] in kept]
+  assert {t.metadata["template"] for t in f_rl} == set(kept)
+  # The corpus (train split) and the evaluated split keep every template.
+  assert [t.task_id for t in f_eval] == [t.task_id for t in evaluated]
+  assert [(t.task_id, t.split) for t in f_all] == [(t.task_id, t.split) for t in all_tasks]
+  assert {t.metadata["template"] for t in f_eval} > set(kept)
+  with pytest.raises(ValueError, match="match no RL task"):
+    run_lib.eval_split(ExperimentConfig(**repo, rl_templates=("rename", "nope")))
+  with pytest.raises(ValueError, match="tuple of template names"):
+    ExperimentConfig(**repo, rl_templates="rename")
+
+
 def test_rl_learner_takes_the_rl_settings():
   learner_cfg = LearnerConfig(
       optimizer=OptimizerConfig(learning_rate=3e-4, warmup_steps=5),
