@@ -251,6 +251,9 @@ def wait_for_weights(store_url: str, timeout_s: float = 600.0, name: Optional[st
   snapshot, or the last version before the damage): sync.subscriber.Subscriber.restore says so
   (WARNING) and asks the learner for a snapshot, and the subscriber's polls then move on. A
   restore that fails (nothing reachable yet) is retried until `timeout_s`.
+
+  The subscriber readies the delta kernels as it is made, before the wait (from the on-disk
+  kernel cache, sync.delta.jit), so a sampler's first delta costs what later ones do.
   """
   from sync import publisher as publisher_lib  # pylint: disable=g-import-not-at-top
   from sync import store as store_lib  # pylint: disable=g-import-not-at-top

@@ -1,8 +1,11 @@
 """The pipeline as separate processes (learner, two samplers, controller) over a shared work
-directory and HTTP; one sampler is killed mid-run and its requests go to the other."""
+directory and HTTP; one sampler is killed mid-run and its requests go to the other. A sampler
+readies the delta kernels at start-up, before any weights exist."""
 
+import json
 import os
 import signal
+import subprocess
 import sys
 import time
 import urllib.request
@@ -82,6 +85,46 @@ print("groups written", n)
   # Sampled over HTTP and graded: the killed sampler's requests were retried on the other one,
   # not written off as infrastructure failures.
   assert not any(r["infra_failure"] for r in recs), out[-3000:]
+
+
+def test_a_sampler_readies_the_delta_kernels_at_start_up(tmp_path):
+  # In a fresh process (one that compiled nothing yet): the sampler's start (wait_for_weights)
+  # readies the kernels while nothing is published, and restoring a snapshot plus a delta
+  # afterwards compiles nothing more.
+  work = str(tmp_path / "work")
+  code = f"""
+import json
+from pipeline import processes
+from sync import publisher, store
+from sync import testing as sync_testing
+from sync.delta import jit
+url = processes.paths({work!r})["weights"]
+before = jit.compiled_signatures()
+try:
+  processes.wait_for_weights(url, timeout_s=0.5, name="s")
+  raise AssertionError("weights were found before any were published")
+except TimeoutError:
+  pass
+at_start = jit.compiled_signatures()
+st = store.Store(url)
+pub = publisher.Publisher(st, chunk_elems=sync_testing.CHUNK)
+versions = sync_testing.history(2)
+pub.publish(versions[0])
+pub.publish(versions[1])
+_, sub = processes.wait_for_weights(url, timeout_s=60, name="s")
+print(json.dumps({{"before": before, "at_start": at_start, "after": jit.compiled_signatures(),
+                  "version": sub.version,  # version 1 is a delta only: it was applied
+                  "v1_snapshot": publisher.read_manifest(st, 1).snapshot is not None}}))
+"""
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+             SYNC_KERNEL_CACHE_DIR=str(tmp_path / "kernels"))
+  res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=600, check=False)
+  assert res.returncode == 0, res.stderr[-3000:]
+  got = json.loads(res.stdout.strip().splitlines()[-1])
+  assert got["before"] == 0 and got["at_start"] > 0, got
+  assert got["version"] == 1 and not got["v1_snapshot"], got
+  assert got["after"] == got["at_start"], got  # the delta found its kernels ready
 
 
 if __name__ == "__main__":

@@ -23,14 +23,19 @@ GB/s are bytes of model weights per second. `synthetic_pairs` builds RL-like upd
 `synthetic`); `load_flat` reads checkpoints (orbax directories or .npz) so two consecutive learner
 checkpoints can be measured the same way; `tools/train_deltas.py` (apart from `sync/`: it drives
 the learner) yields real consecutive versions. `terabyte_report` feeds the measured per-core rates
-into `fanout_sim`. `tools/bench_sync.py` is the command-line entry point.
+into `fanout_sim`. `first_apply` / `first_apply_in_process` time a fresh process's first delta
+against its later ones (numba kernels compiled, loaded from the on-disk cache, or readied by
+the warm-up a sampler runs at start-up). `tools/bench_sync.py` is the command-line entry point.
 """
 
 import concurrent.futures
 import contextlib
 import dataclasses
 import io
+import json
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -43,6 +48,7 @@ from sync import fanout_sim
 from sync import synthetic
 from sync import weights
 from sync.delta import codec
+from sync.delta import jit
 from sync.delta import parallel
 
 
@@ -247,6 +253,81 @@ def measure(base: dict, new: dict, label: str = "", repeats: int = 5, workers=No
              g["memcpy"], g["dec"], g["dec_fresh"], g["memcpy_fresh"],
              nb / sum(len(b) for b in xb.values()), g["xenc"], g["xdec"], w, repeats,
              dict(kinds), g["apply_ch"], g["dec_pool"])
+
+
+def _first_apply_pair(params: int, seed: int = 0):
+  """(base, new): every chunk form a sampler meets, for `first_apply`: half the parameters bf16
+  with 2% changed by one ulp (SPARSE_UNIT), a quarter bf16 with 30% changed (DENSE_UNIT), a
+  quarter fp32 with 2% changed by 1000 ulps (SPARSE)."""
+  rng = np.random.default_rng(seed)
+  cols = 1024
+  base = {"a": rng.standard_normal((max(1, params // 2 // cols), cols)).astype(synthetic.BF16),
+          "b": rng.standard_normal((max(1, params // 4 // cols), cols)).astype(synthetic.BF16),
+          "c": rng.standard_normal((max(1, params // 4 // cols), cols)).astype(np.float32)}
+  new = {k: v.copy() for k, v in base.items()}
+  for name, frac, step in (("a", 0.02, 1), ("b", 0.3, 1), ("c", 0.02, 1000)):
+    w = weights.words(new[name])
+    w[rng.random(w.size) < frac] += w.dtype.type(step)
+  return base, new
+
+
+def first_apply(params: int = 1 << 21, warm: bool = True, repeats: int = 3,
+                chunk_elems: int = 1 << 18) -> dict:
+  """The first delta a process applies against its later ones (seconds), in this process.
+
+  One pass = `delta.apply_inplace` checked by the changes (what a sampler's subscriber runs)
+  and by the result hashes, and `delta.decode` into new arrays, each on a fresh copy of the
+  base, so every pass does the same work. `warm`: call `delta.warm_up()` first, as a sampler's
+  subscriber does at start-up. Meaningful only in a fresh process (`first_apply_in_process`).
+
+  Returns:
+    {"first_s", "later_s" (median of the next `repeats` passes), "warm_up_s" (None without
+    `warm`), "compiled_in_first" (kernel signatures compiled or loaded during the first pass:
+    0 when the warm-up readied them all), "cache_hits" / "cache_misses" (numba's, over every
+    kernel), "cache_dir", "chunks" (chunk kind -> count), "params"}.
+  """
+  base, new = _first_apply_pair(params)
+  blob = delta.encode(base, new, chunk_elems=chunk_elems)
+  parent = weights.digest(base, chunk_elems)
+  warm_up_s = delta.warm_up() if warm else None
+  before = [len(d.signatures) for d in jit.kernels()]
+
+  def one_pass():
+    t = time.perf_counter()
+    for check in ("changes", "result"):
+      held = {k: v.copy() for k, v in base.items()}
+      delta.apply_inplace(held, blob, expect_parent=parent if check == "changes" else None,
+                          check=check)
+    out = delta.decode(base, blob, recycle=False)
+    dt = time.perf_counter() - t
+    _check_same(out, new, "decode")
+    return dt
+
+  first = one_pass()
+  compiled = sum(len(d.signatures) - n for d, n in zip(jit.kernels(), before))
+  later = float(np.median([one_pass() for _ in range(repeats)]))
+  return {"first_s": first, "later_s": later, "warm_up_s": warm_up_s,
+          "compiled_in_first": compiled,
+          "cache_hits": sum(sum(d.stats.cache_hits.values()) for d in jit.kernels()),
+          "cache_misses": sum(sum(d.stats.cache_misses.values()) for d in jit.kernels()),
+          "cache_dir": jit.CACHE_DIR, "chunks": delta.decode_stream(base, blob)[1].chunks,
+          "params": sum(v.size for v in base.values())}
+
+
+def first_apply_in_process(cache_dir: str, params: int = 1 << 21, warm: bool = True,
+                           timeout_s: float = 600.0) -> dict:
+  """`first_apply` in a fresh interpreter whose kernel cache is `cache_dir` ("off": none; see
+  `sync.delta.jit`)."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, SYNC_KERNEL_CACHE_DIR=cache_dir,
+             PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+  code = ("import json, sys\nfrom sync import bench\n"
+          "print(json.dumps(bench.first_apply(int(sys.argv[1]), sys.argv[2] == 'warm')))")
+  res = subprocess.run([sys.executable, "-c", code, str(params), "warm" if warm else "cold"],
+                       env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
+  if res.returncode:
+    raise RuntimeError(f"first_apply failed in a fresh process: {res.stderr[-3000:]}")
+  return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 def synthetic_pairs(params: int, fractions, seed: int = 0):

@@ -133,7 +133,13 @@ class Subscriber:
       request_snapshot: how to ask for a snapshot when a damaged link blocks the way:
         True (write a request to `source` if it is a writable store), False (only wait), or a
         callable `(past_version, reason) -> None`.
+
+    The delta kernels are readied here (`delta.warm_up`: loaded from the on-disk kernel cache,
+    or compiled once per process), at the sampler's start-up rather than inside its first
+    update, so the first swap is as quick as later ones; `warm_up_s`: the seconds this process
+    spent on it (the first subscriber pays, later ones find the kernels ready).
     """
+    self.warm_up_s = delta.warm_up()
     self.source = source
     self.apply_fn = apply_fn
     self.workers = workers

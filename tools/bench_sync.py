@@ -19,11 +19,16 @@ tiny preset, next-token loss on random tokens, AdamW at each learning rate; bf16
   .venv/bin/python -m tools.bench_sync --learner_steps 6 --learner_lrs 1e-6,1e-5,1e-4,3e-4
 Two checkpoints (orbax directories or .npz, cast to the sampler's bf16):
   .venv/bin/python -m tools.bench_sync --from_checkpoints CKPT_STEP_N CKPT_STEP_N+1
+A fresh process's first delta against its later ones (numba kernels compiled in the first
+apply, loaded from the on-disk kernel cache in it, or readied by the start-up warm-up a
+sampler's subscriber runs; each row a fresh interpreter, the cache in a temporary directory):
+  .venv/bin/python -m tools.bench_sync --first_swap [--first_swap_params 16777216]
 """
 
 import argparse
 import json
 import sys
+import tempfile
 
 import ml_dtypes
 import numpy as np
@@ -58,6 +63,40 @@ def learner_rows(gin_files, lrs, steps: int, repeats: int, workers=(None,), rows
   return out, summary
 
 
+FIRST_SWAP_MODES = (
+    # (label, use the cache, warm up at start-up)
+    ("no kernel cache, no warm-up (before #20)", False, False),
+    ("kernel cache, no warm-up", True, False),
+    ("kernel cache + warm-up at start-up (a sampler now)", True, True),
+)
+
+
+def first_swap_rows(params: int) -> list:
+  """`bench.first_apply` in a fresh process per mode of FIRST_SWAP_MODES, the cache filled by
+  one more process first (its warm-up time is the compile time). Rows: dicts with "label"."""
+  rows = []
+  with tempfile.TemporaryDirectory(prefix="kernel-cache-") as cache:
+    fill = bench.first_apply_in_process(cache, params, warm=True)
+    rows.append(dict(fill, label="filling the cache: compile at start-up"))
+    for label, cached, warm in FIRST_SWAP_MODES:
+      rows.append(dict(bench.first_apply_in_process(cache if cached else "off", params, warm),
+                       label=label))
+  return rows
+
+
+def first_swap_markdown(rows) -> str:
+  """`first_swap_rows` as a Markdown table."""
+  head = ("| process | warm-up at start-up s | first delta s | later deltas s (median) | "
+          "first / later | kernel signatures readied during the first |\n"
+          "| --- | --- | --- | --- | --- | --- |\n")
+  lines = []
+  for r in rows:
+    warm = "-" if r["warm_up_s"] is None else f"{r['warm_up_s']:.2f}"
+    lines.append(f"| {r['label']} | {warm} | {r['first_s']:.3f} | {r['later_s']:.3f} | "
+                 f"{r['first_s'] / r['later_s']:.1f}x | {r['compiled_in_first']} |\n")
+  return head + "".join(lines)
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -74,6 +113,9 @@ def main(argv=None) -> int:
                  help="train the learner this many steps per learning rate and measure "
                       "consecutive versions (instead of synthetic updates)")
   p.add_argument("--learner_lrs", default="1e-6,1e-5,1e-4,3e-4")
+  p.add_argument("--first_swap", action="store_true",
+                 help="time a fresh process's first delta against its later ones (see above)")
+  p.add_argument("--first_swap_params", type=int, default=1 << 24)
   p.add_argument("--no_sim", action="store_true")
   p.add_argument("--json", help="also write the rows and the simulation here")
   from tools import configs  # pylint: disable=g-import-not-at-top
@@ -82,6 +124,16 @@ def main(argv=None) -> int:
   args, files, bindings = configs.parse_flags(p, sys.argv[1:] if argv is None else argv)
   workers = [int(x) for x in args.workers.split(",") if x] or [None]
   report = {}
+  if args.first_swap:
+    rows = first_swap_rows(args.first_swap_params)
+    print(first_swap_markdown(rows))
+    print(f"({rows[0]['params']} parameters: {rows[0]['chunks']} chunks; every row a fresh "
+          "process; one delta = apply in place checked by the changes and by the result "
+          "hashes, and a decode into new arrays)")
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump({"first_swap": rows}, f, indent=1, default=str)
+    return 0
   if args.from_checkpoints:
     rows = [bench.from_checkpoints(*args.from_checkpoints,
                                    dtype=None if args.keep_dtype else ml_dtypes.bfloat16,

@@ -119,5 +119,24 @@ def test_command_line_prints_one_table_per_thread_count(tmp_path, capsys):
   assert "threads, ours = baselines" in header and "ratio ours / XOR+zstd" in header
 
 
+def test_first_swap_rows_show_the_compile_the_cache_and_the_warm_up(tmp_path, capsys):
+  # Four fresh processes: one compiles at start-up (filling a temporary cache), one compiles
+  # inside its first delta, one loads inside it, one is readied by the start-up warm-up.
+  out = tmp_path / "r.json"
+  assert bench_sync.main(["--first_swap", "--first_swap_params", "262144",
+                          "--json", str(out)]) == 0
+  rows = {r["label"]: r for r in json.loads(out.read_text())["first_swap"]}
+  labels = [label for label, _, _ in bench_sync.FIRST_SWAP_MODES]
+  assert set(labels) < set(rows)
+  cold, cached, warm = (rows[label] for label in labels)
+  assert cold["cache_dir"] is None and cold["compiled_in_first"] > 0 and cold["cache_hits"] == 0
+  assert cached["cache_misses"] == 0 and cached["compiled_in_first"] > 0
+  assert warm["cache_misses"] == 0 and warm["compiled_in_first"] == 0
+  assert warm["warm_up_s"] is not None and cold["warm_up_s"] is None
+  text = capsys.readouterr().out
+  for r in rows.values():
+    assert f"| {r['label']} | " in text and f"| {r['first_s']:.3f} | {r['later_s']:.3f} |" in text
+
+
 if __name__ == "__main__":
   sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))

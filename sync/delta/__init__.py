@@ -10,9 +10,10 @@ The API (`encode`, `decode`, `apply_inplace`, `DeltaError`, ...) is defined in
 Modules, each importing only those listed after it: `api` (the blob layout, encode / decode /
 apply in place, the checks), `buffers` (recycled output memory for `decode`), `parallel` (the
 thread-pool helpers), `codec` (one chunk: choosing its form, encoding, applying),
-`unit_kernels` (the SPARSE_UNIT and DENSE_UNIT kernels), `sparse_kernels` (the SPARSE kernel,
-numba loading), and `chunk_format` (the payload layouts, zig-zag, byte planes, gaps and the
-changes hash, which the codec and both kernel modules share).
+`unit_kernels` (the SPARSE_UNIT and DENSE_UNIT kernels), `sparse_kernels` (the SPARSE kernel),
+`jit` (numba loading and the on-disk cache of the compiled kernels), and `chunk_format` (the
+payload layouts, zig-zag, byte planes, gaps and the changes hash, which the codec and both
+kernel modules share).
 """
 
 from sync.delta.api import apply_inplace
@@ -29,7 +30,8 @@ from sync.delta.api import read_header
 from sync.delta.api import read_trailer
 from sync.delta.api import release_buffers
 from sync.delta.api import Stats
+from sync.delta.api import warm_up
 
 __all__ = ["CHECKS", "DeltaError", "END_MAGIC", "FORMAT", "MAGIC", "Stats", "apply_inplace",
            "decode", "decode_stream", "encode", "encode_to", "read_header", "read_trailer",
-           "release_buffers"]
+           "release_buffers", "warm_up"]

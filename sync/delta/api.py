@@ -428,6 +428,14 @@ def decode(base: Mapping[str, np.ndarray], blob, **kw) -> dict[str, np.ndarray]:
   return decode_stream(base, blob, **kw)[0]
 
 
+def warm_up() -> float:
+  """Readies the numba kernels every decode and apply runs (`codec.warm_up`: loaded from the
+  on-disk kernel cache, or compiled); returns the seconds it took (0-ish after the first call).
+  A sampler calls it at start-up (`subscriber.Subscriber` does) so its first delta applies as
+  fast as later ones."""
+  return codec.warm_up()
+
+
 def release_buffers() -> None:
   """Lets go of the buffers `decode` keeps for reuse (freed once their users drop them)."""
   _RECYCLER.release()

@@ -54,10 +54,15 @@ Every zstd frame carries its own content checksum, so a flipped bit in a payload
 in `decode_changes`; the caller additionally checks a hash of every rebuilt chunk.
 """
 
+import logging
+import threading
+import time
+
 import numpy as np
 import zstandard
 
 from sync.delta import chunk_format as fmt
+from sync.delta import jit
 from sync.delta import sparse_kernels
 from sync.delta import unit_kernels
 
@@ -66,6 +71,7 @@ SAME, SPARSE, DENSE, RAW = fmt.SAME, fmt.SPARSE, fmt.DENSE, fmt.RAW
 SPARSE_UNIT, DENSE_UNIT = fmt.SPARSE_UNIT, fmt.DENSE_UNIT
 KIND_NAMES, SPARSE_KINDS = fmt.KIND_NAMES, fmt.SPARSE_KINDS
 MAX_CHUNK_ELEMS = fmt.MAX_CHUNK_ELEMS
+log = logging.getLogger(__name__)
 
 # Below this sampled changed fraction only the sparse form is built, above _DENSE_ONLY only the
 # dense one; in between both (see the module docstring).
@@ -328,8 +334,25 @@ def decode_chunk(kind: int, payload, base, out, dctx: zstandard.ZstdDecompressor
   apply_chunk(kind, payload, out, dctx, hash_limit=0.0, src=base)  # the caller hashes the result
 
 
-def warm_up() -> None:
-  """Compiles the numba kernels `apply_chunk` runs for the common word sizes (a few seconds,
-  once per process), so that no caller's first timed or served apply pays for it."""
-  sparse_kernels.warm_up()
-  unit_kernels.warm_up()
+_warm_lock = threading.Lock()
+_warm_s = None
+
+
+def warm_up() -> float:
+  """Readies the numba kernels `apply_chunk` runs for the common word sizes, so that no
+  caller's first timed or served apply pays for compiling them; returns the seconds it took in
+  this process (the first call's; later calls return at once).
+
+  From the on-disk kernel cache (`jit`) that is a fraction of a second; without one, or the
+  first time after the kernels' sources changed, numba compiles them (seconds).
+  """
+  global _warm_s
+  with _warm_lock:
+    if _warm_s is None:
+      t0 = time.perf_counter()
+      sparse_kernels.warm_up()
+      unit_kernels.warm_up()
+      _warm_s = time.perf_counter() - t0
+      log.info("delta kernels ready in %.2f s (numba cache: %s)", _warm_s,
+               jit.CACHE_DIR or "none")
+    return _warm_s

@@ -4,15 +4,16 @@ What: `sparse_apply(raw, out)` takes the decompressed body of a SPARSE chunk pay
 `chunk_format`: u32 count, three gap byte planes, the value byte planes of zig-zag differences)
 and adds the changes into `out` in place, in one pass over the changed elements; it returns the
 *changes hash* of what it did (defined in `chunk_format`, whose `changes_hash` is the numpy
-reference the encoder uses). The module also loads numba (`HAVE_NUMBA`) and holds the compiled
-splitmix64 finaliser, the block size and the loop choice that `unit_kernels` shares.
+reference the encoder uses). The module also holds the compiled splitmix64 finaliser, the
+block size and the loop choice that `unit_kernels` shares.
 
 Why a compiled kernel: in numpy the same work is five passes (gap planes -> gaps, cumsum ->
 positions, value planes -> zig-zag codes, un-zig-zag, `np.add.at`), each materialising an array
 of the changed count, and `np.add.at` alone costs more than a memcpy of the whole chunk. The
 kernel reads each payload byte once and touches each changed element once. It is compiled with
-numba (`nogil=True`: threads apply different chunks at the same time). If numba is not
-installed, the same functions run as numpy code with bit-identical results (tested both ways).
+numba (`nogil=True`: threads apply different chunks at the same time) and cached on disk
+(`jit`: numba loading and the kernel cache). If numba is not installed, the same functions
+run as numpy code with bit-identical results (tested both ways).
 
 The changes hash covers every (position, old bits, new bits) triple and is order-independent;
 `api` records it per chunk; it lets a sampler whose held weights are verifiably the parent
@@ -22,11 +23,10 @@ version check an in-place apply at a cost proportional to the changed elements (
 The SPARSE_UNIT and DENSE_UNIT forms have their kernels in `unit_kernels`.
 """
 
-import os
-
 import numpy as np
 
 from sync.delta import chunk_format as fmt
+from sync.delta import jit
 
 _HEAD = fmt.SPARSE_HEAD
 _HEAD_SIZE = 4
@@ -43,18 +43,12 @@ ONE_PASS_BYTES = 80
 _ONE = np.uint64(1)
 _ZERO = np.uint64(0)
 
-try:
-  if os.environ.get("SYNC_NO_NUMBA"):  # for measuring and testing the fallback in a process
-    raise ImportError("SYNC_NO_NUMBA is set")
-  import numba  # pylint: disable=g-import-not-at-top
-except ImportError:
-  numba = None
-
-HAVE_NUMBA = numba is not None
+numba = jit.numba  # None without numba (or with SYNC_NO_NUMBA set: see `jit`)
+HAVE_NUMBA = jit.HAVE_NUMBA
 
 if HAVE_NUMBA:
 
-  @numba.njit(nogil=True, cache=False, inline="always")
+  @jit.njit(nogil=True, inline="always")
   def mix_nb(x):
     """The splitmix64 finaliser on one uint64 (`chunk_format.mix` element-wise) for the
     kernels here and in `unit_kernels`."""
@@ -90,9 +84,8 @@ def _make_kernel(isz: int):
   small = isz <= 2
   planes = tuple(range(isz))
 
-  mix = mix_nb
 
-  @numba.njit(nogil=True, cache=False)
+  @jit.njit(nogil=True)
   def kernel(raw, nnz, count, out, undo):
     """Applies the first `count` changes; returns (-1, hash), or (k, 0) if a position lies
     outside `out`: then only the first k changes were applied.
@@ -122,9 +115,9 @@ def _make_kernel(isz: int):
         new = ((old - d) if undo else (old + d)) & mask
         out[p] = new
         if small:
-          acc += mix(np.uint64(p) | (old << _S24) | (new << _S40))
+          acc += mix_nb(np.uint64(p) | (old << _S24) | (new << _S40))
         else:
-          acc += mix(mix(np.uint64(p) * _C + old) ^ new)
+          acc += mix_nb(mix_nb(np.uint64(p) * _C + old) ^ new)
       return -1, acc
     pos = np.empty(BLOCK, np.int64)
     olds = np.empty(BLOCK, np.uint64)
@@ -149,9 +142,9 @@ def _make_kernel(isz: int):
         new = ((old - d) if undo else (old + d)) & mask
         out[pos[j]] = new
         if small:
-          acc += mix(np.uint64(pos[j]) | (old << _S24) | (new << _S40))
+          acc += mix_nb(np.uint64(pos[j]) | (old << _S24) | (new << _S40))
         else:
-          acc += mix(mix(np.uint64(pos[j]) * _C + old) ^ new)
+          acc += mix_nb(mix_nb(np.uint64(pos[j]) * _C + old) ^ new)
     return -1, acc
 
   return kernel

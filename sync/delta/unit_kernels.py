@@ -20,14 +20,15 @@ the per-element loop is not).
 
 Both forms list the other steps as exceptions: the gaps between their indices (3 byte planes)
 and their zig-zag differences, decoded and checked in one compiled pass (`_exceptions`). Like
-`sparse_kernels` (whose numba loading, splitmix64 finaliser, block size and loop choice this
-module shares), everything also runs as numpy code when numba is missing (bit-identical,
-tested).
+`sparse_kernels` (whose splitmix64 finaliser, block size and loop choice this module shares),
+the kernels are compiled through `jit` (numba loading and the on-disk kernel cache), and
+everything also runs as numpy code when numba is missing (bit-identical, tested).
 """
 
 import numpy as np
 
 from sync.delta import chunk_format as fmt
+from sync.delta import jit
 from sync.delta import sparse_kernels
 
 HAVE_NUMBA = sparse_kernels.HAVE_NUMBA
@@ -38,6 +39,7 @@ _C = fmt.HASH_C
 _S24, _S40 = fmt.KEY_OLD_SHIFT, fmt.KEY_NEW_SHIFT
 _ONE, _ZERO = np.uint64(1), np.uint64(0)
 _BLOCK, _ONE_PASS_BYTES = sparse_kernels.BLOCK, sparse_kernels.ONE_PASS_BYTES
+_mix = sparse_kernels.mix_nb if HAVE_NUMBA else None
 
 UNIT_HEAD = fmt.UNIT_HEAD
 _UNIT_HEAD_SIZE = 9
@@ -54,6 +56,36 @@ _NO_EXC_IDX = np.zeros(0, np.int64)
 _NO_EXC_VAL = np.zeros(0, np.uint64)
 
 
+if HAVE_NUMBA:
+  # Module-level, not per kernel: a cached kernel must reach other kernels through globals
+  # (see `jit`), so the word-size flag `small` is an argument here (a constant in each kernel).
+
+  @jit.njit(nogil=True)
+  def _block_hash(ka, kb, m, small):
+    """The changes hash of one block: ka = key (small words) or pos * C + old, kb = new."""
+    acc = _ZERO
+    if small:
+      for j in range(m):
+        acc += _mix(ka[j])
+    else:
+      for j in range(m):
+        acc += _mix(_mix(ka[j]) ^ kb[j])
+    return acc
+
+  @jit.njit(nogil=True, inline="always")
+  def _keep(ka, kb, j, p, old, new, small):
+    if small:
+      ka[j] = np.uint64(p) | (old << _S24) | (new << _S40)
+    else:
+      ka[j] = np.uint64(p) * _C + old
+      kb[j] = new
+
+  @jit.njit(nogil=True)
+  def _copy(out, src, a, b):
+    for q in range(np.uint64(a), np.uint64(b)):  # unsigned: vectorized
+      out[q] = src[q]
+
+
 def _make_unit_kernel(isz: int, undo: bool, want_hash: bool, fill: bool):
   """The numba SPARSE_UNIT kernel for words of `isz` bytes (loops as the SPARSE kernel's in
   `sparse_kernels`; the hash per block, see the module docstring). `undo`, `want_hash` and
@@ -64,34 +96,7 @@ def _make_unit_kernel(isz: int, undo: bool, want_hash: bool, fill: bool):
   small = isz <= 2
   head = np.uint64(_UNIT_HEAD_SIZE)
 
-  mix = sparse_kernels.mix_nb
-
-  @numba.njit(nogil=True, cache=False)
-  def block_hash(ka, kb, m):
-    """The changes hash of one block: ka = key (small words) or pos * C + old, kb = new."""
-    acc = _ZERO
-    if small:
-      for j in range(m):
-        acc += mix(ka[j])
-    else:
-      for j in range(m):
-        acc += mix(mix(ka[j]) ^ kb[j])
-    return acc
-
-  @numba.njit(nogil=True, cache=False, inline="always")
-  def keep(ka, kb, j, p, old, new):
-    if small:
-      ka[j] = np.uint64(p) | (old << _S24) | (new << _S40)
-    else:
-      ka[j] = np.uint64(p) * _C + old
-      kb[j] = new
-
-  @numba.njit(nogil=True, cache=False)
-  def copy(out, src, a, b):
-    for q in range(np.uint64(a), np.uint64(b)):  # unsigned: vectorized
-      out[q] = src[q]
-
-  @numba.njit(nogil=True, cache=False)
+  @jit.njit(nogil=True)
   def kernel(raw, nnz, cb, exc_idx, exc_val, count, out, src):
     """Applies the first `count` changes; returns (-1, hash or 0), or (k, 0) if a position
     lies outside `out`: then only the first k changes were applied. `exc_idx` (increasing,
@@ -127,7 +132,7 @@ def _make_unit_kernel(isz: int, undo: bool, want_hash: bool, fill: bool):
           return i, _ZERO
         if fill and p >= copied:
           end = min(n, max(p + 1, copied + _FILL))
-          copy(out, src, copied, end)
+          _copy(out, src, copied, end)
           copied = end
         if i == nxt:
           d = exc_val[e]
@@ -140,15 +145,15 @@ def _make_unit_kernel(isz: int, undo: bool, want_hash: bool, fill: bool):
         new = ((old - d) if undo else (old + d)) & mask
         out[up] = new
         if want_hash:
-          keep(ka, kb, j, p, old, new)
+          _keep(ka, kb, j, p, old, new, small)
           j += 1
           if j == _BLOCK:
-            acc += block_hash(ka, kb, j)
+            acc += _block_hash(ka, kb, j, small)
             j = 0
       if want_hash:
-        acc += block_hash(ka, kb, j)
+        acc += _block_hash(ka, kb, j, small)
       if fill:
-        copy(out, src, copied, n)
+        _copy(out, src, copied, n)
       return -1, acc
     pos = np.empty(_BLOCK, np.uint64)
     olds = np.empty(_BLOCK, np.uint64)
@@ -169,7 +174,7 @@ def _make_unit_kernel(isz: int, undo: bool, want_hash: bool, fill: bool):
         return s0, _ZERO
       if fill and p >= copied:
         end = min(n, max(p + 1, copied + _FILL))
-        copy(out, src, copied, end)
+        _copy(out, src, copied, end)
         copied = end
       for j in range(m):
         olds[j] = np.uint64(out[pos[j]])
@@ -185,11 +190,11 @@ def _make_unit_kernel(isz: int, undo: bool, want_hash: bool, fill: bool):
         new = ((old - d) if undo else (old + d)) & mask
         out[pos[j]] = new
         if want_hash:
-          keep(ka, kb, j, pos[j], old, new)
+          _keep(ka, kb, j, pos[j], old, new, small)
       if want_hash:
-        acc += block_hash(ka, kb, m)
+        acc += _block_hash(ka, kb, m, small)
     if fill:
-      copy(out, src, copied, n)
+      _copy(out, src, copied, n)
     return -1, acc
 
   return kernel
@@ -201,7 +206,7 @@ def _make_dense_kernel(isz: int, fill: bool):
   kernel that reads a second array that may alias `out` is not vectorized)."""
   mask = ~_ZERO if isz == 8 else np.uint64((1 << (8 * isz)) - 1)
 
-  @numba.njit(nogil=True, cache=False)
+  @jit.njit(nogil=True)
   def kernel(packed, src, out, undo):
     """out = (src if fill else out) + (undo: -) every element's symbol; returns whether a
     symbol 3 was seen."""
@@ -220,7 +225,7 @@ def _make_dense_kernel(isz: int, fill: bool):
 def _make_swar16(fill: bool):
   """DENSE_UNIT for 16-bit words, four per u64 lane group (`fill` as `_make_dense_kernel`)."""
 
-  @numba.njit(nogil=True, cache=False)
+  @jit.njit(nogil=True)
   def swar16(packed, src64, out64, undo):
     """out64 = (src64 if fill else out64) +- symbols; returns whether a symbol 3 was seen.
     Lane-wise add/subtract without carries between lanes (the SWAR identities)."""
@@ -248,7 +253,7 @@ if HAVE_NUMBA:
                     for isz in (1, 2, 4, 8) for fill in (False, True)}
   _SWAR16 = {fill: _make_swar16(fill) for fill in (False, True)}
 
-  @numba.njit(nogil=True, cache=False)
+  @jit.njit(nogil=True)
   def _exceptions_nb(buf, e0, nexc, isz, limit, packed):
     """Decodes and checks an exception list (see `_exceptions`) in one compiled pass."""
     pos = np.empty(nexc, np.int64)
@@ -271,7 +276,7 @@ if HAVE_NUMBA:
       vals[i] = v
     return True, pos, vals
 
-  @numba.njit(nogil=True, cache=False)
+  @jit.njit(nogil=True)
   def _scatter_nb(out, pos, vals, undo):
     for i in range(pos.size):
       if undo:
