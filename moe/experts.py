@@ -15,9 +15,10 @@
     counts it is far less than dropless dispatch; `auto` picks whichever of the two is smaller on
     the CPU (`dropless_cpu_impl`).
 
-Both take an `expert_offset` so that, under expert parallelism, a shard holding experts
+All take an `expert_offset` so that, under expert parallelism, a shard holding experts
 [offset, offset + E_local) computes only their contributions; assignments to other experts
-contribute zero and the shards' partial outputs are summed by the caller. Both sum the k
+contribute zero (moe/expert_parallel.py runs them on the rows an all-to-all brought to the
+shard, and reuses `rank_by_expert`, `expert_ffn` and `combine` for its own buffers). All sum the k
 contributions of a token in a fixed order, so results are deterministic.
 """
 
@@ -52,7 +53,7 @@ def _local_keys(idx: jax.Array, expert_offset, num_local: int):
   return jnp.where(valid, local, num_local), valid
 
 
-def _rank_by_expert(idx: jax.Array, expert_offset, num_local: int):
+def rank_by_expert(idx: jax.Array, expert_offset, num_local: int):
   """(keys, valid, assignments per key, each assignment's rank among its expert's), the
   assignments taken in (token, k) order: what both buffer layouts place rows by."""
   keys, valid = _local_keys(idx, expert_offset, num_local)
@@ -65,7 +66,7 @@ def _rank_by_expert(idx: jax.Array, expert_offset, num_local: int):
   return keys, valid, counts, rank
 
 
-def _combine(y_assign: jax.Array, gates: jax.Array, valid: jax.Array, dtype) -> jax.Array:
+def combine(y_assign: jax.Array, gates: jax.Array, valid: jax.Array, dtype) -> jax.Array:
   """Weighted sum over each token's k assignments (in order: deterministic, no scatter-add)."""
   n, k = gates.shape
   w = jnp.where(valid.reshape(n, k), gates, 0.0).astype(jnp.float32)
@@ -86,7 +87,7 @@ def ragged_experts(x: jax.Array, idx: jax.Array, gates: jax.Array, w_gate: jax.A
   h = h * jax.lax.ragged_dot(xs, w_up.astype(dtype), group_sizes)
   ys = jax.lax.ragged_dot(h, w_down.astype(dtype), group_sizes)  # rows past the groups are zero
   inverse = jnp.argsort(order)
-  return _combine(ys[inverse], gates, valid, dtype)
+  return combine(ys[inverse], gates, valid, dtype)
 
 
 def capacity_for(num_tokens: int, k: int, num_experts: int,
@@ -97,6 +98,17 @@ def capacity_for(num_tokens: int, k: int, num_experts: int,
   return max(1, min(num_tokens, math.ceil(num_tokens * k / num_experts * capacity_factor)))
 
 
+def expert_ffn(buf: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
+               dtype) -> jax.Array:
+  """Each expert's SwiGLU over its own buffer rows, as batched matmuls: [E, C, D] -> [E, C, D].
+
+  Zero rows give zero rows.
+  """
+  h = jax.nn.silu(jnp.einsum("ecd,edi->eci", buf, w_gate.astype(dtype)))
+  h = h * jnp.einsum("ecd,edi->eci", buf, w_up.astype(dtype))
+  return jnp.einsum("eci,eid->ecd", h, w_down.astype(dtype))
+
+
 def dispatch_experts(x: jax.Array, idx: jax.Array, gates: jax.Array, w_gate: jax.Array,
                      w_up: jax.Array, w_down: jax.Array, *, dtype, capacity: int,
                      expert_offset=0) -> jax.Array:
@@ -104,17 +116,15 @@ def dispatch_experts(x: jax.Array, idx: jax.Array, gates: jax.Array, w_gate: jax
   n, k = idx.shape
   e_local, d = w_gate.shape[0], x.shape[-1]
   a = n * k
-  keys, valid, counts, rank = _rank_by_expert(idx, expert_offset, e_local)
+  keys, valid, counts, rank = rank_by_expert(idx, expert_offset, e_local)
   keep = valid & (rank < capacity)
   dest = jnp.where(keep, keys * capacity + rank, e_local * capacity)  # out of range: dropped
   src = x[jnp.arange(a) // k].astype(dtype)
   buf = jnp.zeros((e_local * capacity, d), dtype).at[dest].set(src, mode="drop")
-  buf = buf.reshape(e_local, capacity, d)
-  h = jax.nn.silu(jnp.einsum("ecd,edi->eci", buf, w_gate.astype(dtype)))
-  h = h * jnp.einsum("ecd,edi->eci", buf, w_up.astype(dtype))
-  y = jnp.einsum("eci,eid->ecd", h, w_down.astype(dtype)).reshape(e_local * capacity, d)
+  y = expert_ffn(buf.reshape(e_local, capacity, d), w_gate, w_up, w_down, dtype=dtype)
+  y = y.reshape(e_local * capacity, d)
   y_assign = jnp.take(y, dest, axis=0, mode="fill", fill_value=0)
-  return _combine(y_assign, gates, keep, dtype)
+  return combine(y_assign, gates, keep, dtype)
 
 
 def grouped_blocks(num_assignments: int, num_experts: int, block: int) -> int:
@@ -136,7 +146,7 @@ def grouped_experts(x: jax.Array, idx: jax.Array, gates: jax.Array, w_gate: jax.
   e_local, d = w_gate.shape[0], x.shape[-1]
   a = n * k
   nb = grouped_blocks(a, e_local, block)
-  keys, valid, counts, rank = _rank_by_expert(idx, expert_offset, e_local)
+  keys, valid, counts, rank = rank_by_expert(idx, expert_offset, e_local)
   blocks = (counts[:e_local] + block - 1) // block  # blocks each local expert's group takes
   block_ends = jnp.cumsum(blocks)
   first_block = block_ends - blocks
@@ -152,7 +162,7 @@ def grouped_experts(x: jax.Array, idx: jax.Array, gates: jax.Array, w_gate: jax.
   h = h * jnp.einsum("nbd,ndi->nbi", buf, wu)
   y = jnp.einsum("nbi,nid->nbd", h, wdn).reshape(nb * block, d)
   y_assign = jnp.take(y, dest, axis=0, mode="fill", fill_value=0)
-  return _combine(y_assign, gates, valid, dtype)
+  return combine(y_assign, gates, valid, dtype)
 
 
 # Rows per block of the grouped path: big enough for efficient matmuls on a CPU, small enough

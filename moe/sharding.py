@@ -47,6 +47,26 @@ def make_mesh(shape: Sequence[int] = (1, 1, 1, 1), devices=None) -> Mesh:
   return Mesh(np.asarray(devices[:need]).reshape(shape), MESH_AXES)
 
 
+def mesh_axes(logical: str, rules: Sequence[tuple[str, Any]] = LOGICAL_RULES) -> tuple[str, ...]:
+  """The mesh axes a logical axis maps to in `rules` (empty when it is replicated).
+
+  Code that names mesh axes itself (collectives inside `shard_map`) asks the table, e.g.
+  `mesh_axes("exp")` is the expert axis the routed experts are split over.
+  """
+  table = dict(rules)
+  if logical not in table:
+    raise KeyError(f"logical axis {logical!r} has no rule; known: {sorted(table)}")
+  target = table[logical]
+  return (target,) if isinstance(target, str) else tuple(target or ())
+
+
+def axes_size(mesh: Any, axes: Sequence[str]) -> int:
+  """Product of the sizes of `axes` on `mesh` (1 for an empty mesh or axes it lacks)."""
+  if mesh is None or mesh.empty:
+    return 1
+  return int(np.prod([mesh.shape.get(a, 1) for a in axes]))
+
+
 def logical_to_spec(logical: Optional[Sequence[Optional[str]]],
                     rules: Sequence[tuple[str, Any]] = LOGICAL_RULES,
                     mesh: Optional[Mesh] = None,
