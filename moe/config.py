@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 ROUTER_TYPES = ("softmax", "sigmoid")
 EXPERT_IMPLS = ("auto", "ragged", "dispatch", "grouped")
+EXPERT_DISPATCHES = ("all_to_all", "psum")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +53,12 @@ class ModelConfig:
       "auto" (ragged off the CPU; on the CPU dispatch with a capacity factor, and dropless the
       cheaper of dispatch and grouped for the layer's token count).
     capacity_factor: per-expert capacity of the dispatch path as a multiple of the even share
-      (tokens * k / experts). None means dropless (capacity = all tokens).
+      (tokens * k / experts). None means dropless (capacity = all tokens). Under expert
+      parallelism it sizes the all-to-all's per-shard buffers instead (moe/expert_parallel.py).
+    expert_dispatch: how routed experts run on a mesh with an expert axis > 1: "all_to_all"
+      (expert parallelism: each token goes only to the shards of its experts,
+      moe/expert_parallel.py) or "psum" (every expert shard sees every token of its batch
+      shard, partial outputs summed over (expert, tensor); a benchmark baseline).
     load_balance_loss_weight: weight of the Switch-style load-balancing loss.
     router_z_loss_weight: weight of the router z-loss (mean squared logsumexp of router logits).
     router_bias_update_rate: step size of the aux-loss-free bias update (sigmoid routers).
@@ -85,6 +91,7 @@ class ModelConfig:
   dtype: str = "float32"
   expert_impl: str = "auto"
   capacity_factor: Optional[float] = None
+  expert_dispatch: str = "all_to_all"
   load_balance_loss_weight: float = 0.01
   router_z_loss_weight: float = 0.001
   router_bias_update_rate: float = 1e-3
@@ -105,6 +112,8 @@ class ModelConfig:
          f"first_k_dense ({self.first_k_dense}) must lie in [0, num_layers]")
     need(self.router_type in ROUTER_TYPES, f"router_type must be one of {ROUTER_TYPES}")
     need(self.expert_impl in EXPERT_IMPLS, f"expert_impl must be one of {EXPERT_IMPLS}")
+    need(self.expert_dispatch in EXPERT_DISPATCHES,
+         f"expert_dispatch must be one of {EXPERT_DISPATCHES}")
     need(self.capacity_factor is None or self.capacity_factor > 0,
          "capacity_factor must be positive or None")
     need(self.resolved_head_dim % 2 == 0, "head_dim must be even (RoPE)")

@@ -1,11 +1,12 @@
 """The MoE feed-forward block: router, routed experts (optionally expert-parallel), shared experts.
 
-Expert parallelism: when a mesh with `expert` or `tensor` axes larger than one is active
-(`jax.set_mesh`), the routed experts run under `shard_map`. Each expert shard holds E / |expert|
-experts (their `mlp` dim split over `tensor`), sees every token of its batch shard, computes only
-its experts' contributions and the shards' partial outputs are summed with one psum over
-(expert, tensor). Routing is computed before the shard_map from the replicated router, so every
-shard agrees on it.
+Routing is computed first, by the replicated router, so every shard agrees on it (and replayed
+routing goes through unchanged). When a mesh with an expert axis larger than one is active
+(`jax.set_mesh`), the routed experts are expert-parallel by all-to-all (moe/expert_parallel.py):
+tokens are split over the batch and expert axes and each token's k copies go only to the shards
+holding their experts. `ModelConfig.expert_dispatch = "psum"` keeps the older form, every expert
+shard seeing every token of its batch shard and a psum over (expert, tensor), as a benchmark
+baseline; it is also what runs when only the tensor axis is split (plain tensor parallelism).
 """
 
 from __future__ import annotations
@@ -13,10 +14,9 @@ from __future__ import annotations
 from typing import Optional
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
+from moe import expert_parallel
 from moe import experts as experts_lib
 from moe import layers
 from moe import sharding
@@ -33,6 +33,7 @@ class MoEBlock(nnx.Module):
     self.dtype = cfg.jnp_dtype
     self.expert_impl = cfg.expert_impl
     self.capacity_factor = cfg.capacity_factor
+    self.expert_dispatch = cfg.expert_dispatch
     self.router = Router(cfg, rngs=rngs)
     self.experts = experts_lib.ExpertWeights(cfg, rngs=rngs)
     if cfg.num_shared_experts > 0:
@@ -48,7 +49,8 @@ class MoEBlock(nnx.Module):
     wu = self.experts.up.get_value()
     wd = self.experts.down.get_value()
     mesh = jax.sharding.get_abstract_mesh()
-    ep = 1 if mesh.empty else mesh.shape.get("expert", 1) * mesh.shape.get("tensor", 1)
+    ep = sharding.axes_size(mesh, sharding.mesh_axes("exp"))
+    tp = sharding.axes_size(mesh, sharding.mesh_axes("mlp"))
     dt = self.dtype
 
     def local(x, idx, gates, wg, wu, wd, offset):
@@ -65,28 +67,18 @@ class MoEBlock(nnx.Module):
       return experts_lib.dispatch_experts(x, idx, gates, wg, wu, wd, dtype=dt, capacity=cap,
                                           expert_offset=offset)
 
-    if ep == 1:
+    if ep * tp == 1:
       return local(x, idx, gates, wg, wu, wd, 0)
-
-    batch = sharding.BATCH_AXES
-    n_batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    if x.shape[0] % n_batch_shards:
-      batch = None  # too few tokens to split (e.g. a single decode row): replicate them
-
-    def shard_fn(x, idx, gates, wg, wu, wd):
-      offset = jax.lax.axis_index("expert") * wg.shape[0]
-      y = local(x, idx, gates, wg, wu, wd, offset)
-      return jax.lax.psum(y, ("expert", "tensor"))
-
-    tok = P(batch, None)  # tokens: split over batch axes, replicated over expert and tensor
-    return jax.shard_map(
-        shard_fn,
-        in_specs=(tok, tok, tok,
-                  P("expert", None, "tensor"),  # gate: replicated over data/fsdp (gathered)
-                  P("expert", None, "tensor"),  # up: likewise
-                  P("expert", "tensor", None)),  # down: likewise
-        out_specs=tok,
-    )(x, idx, gates, wg, wu, wd)
+    if ep == 1 or self.expert_dispatch == "psum":
+      return expert_parallel.psum_experts(x, idx, gates, wg, wu, wd, local_experts=local)
+    if self.num_experts % ep:
+      raise ValueError(f"num_experts ({self.num_experts}) must be a multiple of the expert "
+                       f"axis ({ep}) for expert parallelism")
+    return expert_parallel.routed_experts(
+        x, idx, gates, wg, wu, wd,
+        exchange=expert_parallel.choose_exchange(jax.default_backend(), self.capacity_factor),
+        capacity_factor=self.capacity_factor,
+        local_experts=expert_parallel.dropless_local_experts(self.expert_impl, dt), dtype=dt)
 
   def __call__(self, x: jax.Array, routing: Optional[jax.Array] = None,
                token_mask: Optional[jax.Array] = None):
