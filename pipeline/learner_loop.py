@@ -18,6 +18,10 @@ trained and dropped as before the crash. (We considered adopting p as the versio
 breaks version == step and, with it, the controller's staleness arithmetic; and waiting for every
 checkpoint to commit before publishing would serialise checkpoint writes into every step.)
 
+Publishing is measured per version: each step's metrics (what `on_step` gets) carry
+`publish_metrics` of the version it published (the bytes a sampler fetches, the sampler-dtype
+weights' raw bytes and their ratio), and the loop sums them over the run (`publish_totals`).
+
 A step whose batch has no trainable token (everything stale, rejected, lost or an
 infrastructure failure) is an error (`EmptyStepError`), not an update: the optimizer would still
 move the weights on its momentum and the run would go on training on nothing.
@@ -36,6 +40,27 @@ from pipeline.step_batches import StepBatcher
 log = logging.getLogger(__name__)
 
 AFTER_PUBLISH = "learner.after_publish"
+
+
+def publish_metrics(report) -> dict:
+  """A published version's figures for the step's metrics, from the sync.publisher.PublishReport
+  the publish callable returned ({} if it returned None).
+
+  publish_bytes: bytes a following sampler fetches for the version (its delta; its snapshot
+  when it has no delta: publish_delta 0); publish_raw_bytes: the published weights' bytes in
+  the sampler's dtype; publish_ratio: their quotient; publish_snapshot: 1 if a full snapshot was
+  written too (publish_snapshot_bytes); publish_s: the publish call's wall time.
+  """
+  if report is None:
+    return {}
+  fetched = report.delta_bytes if report.delta_bytes is not None else report.snapshot_bytes
+  out = {"publish_bytes": int(fetched), "publish_raw_bytes": int(report.raw_bytes),
+         "publish_ratio": report.raw_bytes / max(1, fetched),
+         "publish_delta": int(report.delta_bytes is not None),
+         "publish_snapshot": int(bool(report.snapshot)), "publish_s": float(report.total_s)}
+  if report.snapshot:
+    out["publish_snapshot_bytes"] = int(report.snapshot_bytes)
+  return out
 
 
 class EmptyStepError(RuntimeError):
@@ -78,6 +103,7 @@ class LearnerLoop:
     self.wait_s = 0.0
     self.train_s = 0.0
     self.publish_s = 0.0
+    self.published = []  # publish_metrics of every version this loop published, in order
 
   def restore(self) -> bool:
     """Restores the latest checkpoint if there is one; returns whether it did.
@@ -102,12 +128,30 @@ class LearnerLoop:
     if self.hold is not None:
       self.hold(self.learner.sampler_weights()[0])
 
-  def publish_current(self) -> None:
-    """Publishes the current weights as the next version (the initial weights at start)."""
+  def publish_current(self) -> dict:
+    """Publishes the current weights as the next version (the initial weights at start);
+    returns its `publish_metrics`."""
     t0 = time.perf_counter()
     flat, version = self.learner.sampler_weights()
-    self.publish(flat, version)
+    report = self.publish(flat, version)
     self.publish_s += time.perf_counter() - t0
+    out = publish_metrics(report)
+    if out:
+      self.published.append(out)
+    return out
+
+  def publish_totals(self) -> dict:
+    """The versions this loop published and their bytes: fetched (publish_bytes), raw in the
+    sampler's dtype (publish_raw_bytes) and the ratio of the sums, over the versions published
+    as deltas (`delta_versions`; a snapshot-only version, such as version 0, is left out of
+    the ratio: it is the whole model)."""
+    deltas = [m for m in self.published if m["publish_delta"]]
+    raw = sum(m["publish_raw_bytes"] for m in deltas)
+    fetched = sum(m["publish_bytes"] for m in deltas)
+    return {"published_versions": len(self.published), "delta_versions": len(deltas),
+            "publish_bytes": fetched, "publish_raw_bytes": raw,
+            "publish_ratio": raw / fetched if fetched else None,
+            "publish_s": self.publish_s}
 
   def run(self, num_steps: int, stop: Optional[threading.Event] = None) -> None:
     """Trains until the learner has taken `num_steps` steps (or `stop` is set).
@@ -158,7 +202,7 @@ class LearnerLoop:
       if step == published:
         self._hold()
       if not replayed:
-        self.publish_current()
+        metrics = dict(metrics, **self.publish_current())
         published = step
         faults.point(AFTER_PUBLISH)
       if self.checkpoints is not None and self.checkpoint_every and \

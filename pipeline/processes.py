@@ -58,12 +58,20 @@ def paths(workdir: str) -> dict:
 STEP_LINE = "learner step "
 
 
+# The published version's figures a step's metrics carry (pipeline.learner_loop.publish_metrics).
+_PUBLISH_KEYS = ("publish_bytes", "publish_raw_bytes", "publish_ratio", "publish_delta",
+                 "publish_snapshot", "publish_s")
+
+
 def step_line(step: int, metrics: dict, info: dict) -> str:
   """The learner's log line per step: `learner step N {json}`, the figures that show the step
   trained (episodes and tokens in its batch, loss and gradient norm, policy version), its data's
-  staleness, its groups without signal (zero-variance, and how many were filtered out) and its
-  attempts flagged for reward hacking."""
-  return STEP_LINE + f"{step} " + json.dumps({
+  staleness, its groups without signal (zero-variance, and how many were filtered out), its
+  attempts flagged for reward hacking, and the version it published: the bytes a sampler
+  fetches for it, its raw bytes in the sampler's dtype and their ratio (absent on a replayed
+  step, which publishes nothing)."""
+  publish = {k: metrics[k] for k in _PUBLISH_KEYS if k in metrics}
+  return STEP_LINE + f"{step} " + json.dumps({**publish, 
       "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
       "tokens": float(metrics["tokens"]),
       "trained_episodes": int(info["trained_episodes"]), "episodes": int(info["episodes"]),
@@ -78,11 +86,14 @@ def step_line(step: int, metrics: dict, info: dict) -> str:
 SUMMARY_LINE = "learner summary "
 
 
-def summary_line(stats, step: int) -> str:
-  """The learner's last line, `learner summary {json}`: where it ended and what became of every
+def summary_line(stats, step: int, publish: Optional[dict] = None) -> str:
+  """The learner's last line, `learner summary {json}`: where it ended, what became of every
   record it read (pipeline.step_batches.StepStats): trained, dropped as stale, rejected,
-  infrastructure failures, dropped for lack of room, and lost (missing shards)."""
-  return SUMMARY_LINE + json.dumps({
+  infrastructure failures, dropped for lack of room, and lost (missing shards), and what it
+  published (`publish`: pipeline.learner_loop.LearnerLoop.publish_totals, the versions and, over
+  those published as deltas, the bytes samplers fetched, the raw sampler-dtype bytes and their
+  ratio)."""
+  return SUMMARY_LINE + json.dumps({**(publish or {}), 
       "step": int(step), "episodes": stats.episodes, "trained_episodes": stats.trained_episodes,
       "stale_episodes": stats.stale_episodes, "infra_failures": stats.infra_failures,
       "rejected_episodes": sum(stats.rejections.values()),
@@ -239,7 +250,7 @@ def run_learner(workdir: str, model_cfg: ModelConfig, config: PipelineConfig,
   finally:
     ckpt.wait()
     ckpt.close()
-    print(summary_line(loop.batcher.stats, learner.step), flush=True)
+    print(summary_line(loop.batcher.stats, learner.step, loop.publish_totals()), flush=True)
   return learner.step
 
 

@@ -1,7 +1,9 @@
 """The pipeline as separate processes (learner, two samplers, controller) over a shared work
 directory and HTTP; one sampler is killed mid-run and its requests go to the other. A sampler
-readies the delta kernels at start-up, before any weights exist."""
+readies the delta kernels at start-up, before any weights exist. The learner publishes in the
+sampler's dtype and reports each published version's bytes and compression ratio."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -10,12 +12,19 @@ import sys
 import time
 import urllib.request
 
+import numpy as np
 import pytest
 
+from pipeline import episodes as episodes_lib
 from pipeline import processes
 from pipeline import testing
 from rl import testing as rl_testing
 from rl import trajectory_io
+from rollout.engine import Completion
+from sync import delta
+from sync import publisher as publisher_lib
+from sync import store as store_lib
+from sync import weights
 
 
 PRELUDE = """
@@ -125,6 +134,76 @@ print(json.dumps({{"before": before, "at_start": at_start, "after": jit.compiled
   assert got["before"] == 0 and got["at_start"] > 0, got
   assert got["version"] == 1 and not got["v1_snapshot"], got
   assert got["after"] == got["at_start"], got  # the delta found its kernels ready
+
+
+def _write_groups(directory: str, cfg, steps: int) -> None:
+  """The records of `steps` learner steps, as the controller writes them: step s's groups
+  sampled by policy version s, rewards varying within each group (so every step trains)."""
+  moe_layers = testing.MODEL.num_moe_layers
+  k = testing.MODEL.num_experts_per_tok
+  rng = np.random.default_rng(0)
+  writer = trajectory_io.TrajectoryWriter(directory, "c", records_per_shard=cfg.attempts)
+  for g in range(steps * cfg.prompts_per_step):
+    version = g // cfg.prompts_per_step
+    prompt = [int(t) for t in rng.integers(1, 250, 6)]
+    group = []
+    for j in range(cfg.attempts):
+      gen = int(rng.integers(3, 8))
+      comp = Completion(
+          token_ids=[int(t) for t in rng.integers(1, 250, gen)], logprobs=[-1.0] * gen,
+          routing=rng.integers(0, testing.MODEL.num_experts, (moe_layers, gen, k)).astype(np.uint8),
+          policy_versions=[version] * gen, finish_reason="stop",
+          prompt_routing=rng.integers(0, testing.MODEL.num_experts,
+                                      (moe_layers, len(prompt) - 1, k)).astype(np.uint8))
+      group.append(episodes_lib.from_completion(
+          group_id=f"g{g}", episode_id=f"g{g}-{j}", group_size=cfg.attempts,
+          prompt_ids=prompt, completion=comp, reward=float(j % 2)))
+    writer.write_all(group)
+    writer.flush()
+  writer.close()
+
+
+def test_the_learner_publishes_in_the_sampler_dtype_and_reports_each_versions_ratio(
+    tmp_path, capsys):
+  # The multi-process learner's body (run_learner) with a bf16 sampler: every published version
+  # is bf16 (manifests, delta headers, what a sampler restores), and each step's line carries
+  # the bytes of the version it published, equal to the delta's size in the store, with the
+  # ratio of the bf16 weights' bytes to it; the summary sums them.
+  work = str(tmp_path / "work")
+  cfg = testing.config()
+  steps = 2
+  _write_groups(processes.paths(work)["trajectories"], cfg, steps)
+  bf16 = dataclasses.replace(testing.LEARNER, sampler_dtype="bfloat16")
+  assert processes.run_learner(work, testing.MODEL, cfg, bf16, steps=steps) == steps
+  out = capsys.readouterr().out
+  lines = processes.parse_step_lines(out)
+  summary = processes.parse_summary(out)
+  st = store_lib.Store(processes.paths(work)["weights"])
+  assert publisher_lib.read_index(st).latest == steps
+  raw_total = fetched_total = 0
+  for line in lines:
+    m = publisher_lib.read_manifest(st, line["step"])
+    assert {dt for dt, _ in m.tensors.values()} == {"bfloat16"}, m.tensors
+    blob = st.get(m.delta.key)
+    assert {t[1] for t in delta.read_header(blob)["tensors"]} == {"bfloat16"}
+    raw = sum(weights.dtype_from_name(dt).itemsize * int(np.prod(shape))
+              for dt, shape in m.tensors.values())
+    assert line["publish_bytes"] == m.delta.size == len(blob), (line, m.delta)
+    assert line["publish_raw_bytes"] == raw
+    assert line["publish_ratio"] == pytest.approx(raw / len(blob), rel=1e-12)
+    assert line["publish_delta"] == 1 and line["publish_s"] > 0
+    raw_total += raw
+    fetched_total += len(blob)
+  assert [line["step"] for line in lines] == list(range(1, steps + 1))
+  assert summary["published_versions"] == steps + 1  # version 0, then one per step
+  assert summary["delta_versions"] == steps
+  assert summary["publish_bytes"] == fetched_total and summary["publish_raw_bytes"] == raw_total
+  assert summary["publish_ratio"] == pytest.approx(raw_total / fetched_total, rel=1e-12)
+  # What a sampler starting now holds: the newest version, in bf16, its digest verified.
+  _, sub = processes.wait_for_weights(processes.paths(work)["weights"], timeout_s=60)
+  assert sub.version == steps
+  assert {a.dtype.name for a in sub.weights.values()} == {"bfloat16"}
+  assert weights.digest(sub.weights) == publisher_lib.read_manifest(st, steps).digest
 
 
 if __name__ == "__main__":

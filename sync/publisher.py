@@ -119,6 +119,7 @@ class Publisher:
     self.workers = workers
     self.index = read_index(store)
     self._prev, self._prev_digest = None, None
+    self._tensors = None  # the newest published version's {name: [dtype, shape]}
     self._told_unanswerable = False
     if self.index.latest is not None:  # resume after a restart
       self._resume()
@@ -240,7 +241,12 @@ class Publisher:
     return max((v for v, (_, s) in self.index.versions.items() if s is not None), default=None)
 
   def publish(self, flat: dict, info: dict | None = None) -> PublishReport:
-    """Publishes `flat` (name -> array, the sampler's dtype) as the next version."""
+    """Publishes `flat` (name -> array, the sampler's dtype) as the next version.
+
+    Raises:
+      ValueError: `flat`'s tensors (names, dtypes, shapes) are not the newest published
+        version's (see `_check_layout`).
+    """
     with self._lock:
       return self._publish(flat, info)
 
@@ -249,6 +255,7 @@ class Publisher:
     version = 0 if self.index.latest is None else self.index.latest + 1
     tensors = {n: [weights.dtype_name(np.asarray(a).dtype), list(np.asarray(a).shape)]
                for n, a in sorted(flat.items())}
+    self._check_layout(version, tensors)
     m = manifest_lib.Manifest(version=version, digest="", chunk_elems=self.chunk_elems,
                               tensors=tensors, created=time.time(), info=dict(info or {}))
     encode_s = 0.0
@@ -276,6 +283,7 @@ class Publisher:
     self.store.put(manifest_lib.manifest_key(version), m.to_bytes())
     self.index.add(m)
     self.store.put(manifest_lib.INDEX_KEY, self.index.to_bytes())  # the publish point
+    self._tensors = tensors
     for key in answered:  # this version is a snapshot at or past each of them
       self.store.delete(key)
     self._keep(flat)
@@ -283,6 +291,31 @@ class Publisher:
     self.gc()
     return PublishReport(version, m.snapshot is not None, m.delta_bytes, m.snapshot_bytes,
                          weights.nbytes(flat), encode_s, time.perf_counter() - t0)
+
+  def _check_layout(self, version: int, tensors: dict) -> None:
+    """Raises ValueError unless `tensors` ({name: [dtype, shape]}) are the newest published
+    version's: the samplers hold weights of that layout, in the sampler's dtype, and a delta
+    to another one would ship the changed tensors whole and hand the samplers another dtype
+    (a learner restarted with another `sampler_dtype`, say)."""
+    if version == 0:
+      return
+    if self._tensors is None:
+      try:
+        self._tensors = read_manifest(self.store, version - 1).tensors
+      except (KeyError, manifest_lib.ManifestError):  # damaged: nothing to compare with
+        return
+    if tensors == self._tensors:
+      return
+    old, new = self._tensors, tensors
+    diff = sorted(set(old) ^ set(new)) or [n for n in sorted(new) if new[n] != old[n]]
+    name = diff[0]
+    was = "absent" if name not in old else f"{old[name][0]} {tuple(old[name][1])}"
+    now = "absent" if name not in new else f"{new[name][0]} {tuple(new[name][1])}"
+    raise ValueError(
+        f"version {version} does not have the published version {version - 1}'s tensors "
+        f"({len(diff)} differ; {name!r}: {was} there, {now} here): publish every version in "
+        "the samplers' dtype and layout (rl.learner.LearnerConfig.sampler_dtype), or start a "
+        "new store")
 
   def _keep(self, flat: dict) -> None:
     """Keeps a private copy of the published weights, reusing buffers in place."""

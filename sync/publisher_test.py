@@ -34,6 +34,24 @@ def test_deltas_snapshots_and_restore_any_retained_version(tmp_path):
   assert publisher.read_index(st).latest == 6 == pub.version
 
 
+def test_a_version_in_another_dtype_or_layout_is_refused(tmp_path):
+  # Samplers hold the published layout in the sampler's dtype: a version that changes it (a
+  # learner restarted with another sampler_dtype) would ship whole tensors and hand them
+  # another dtype, so it is refused, by a restarted publisher too, and nothing is written.
+  st, pub, hist, _ = _publish(tmp_path, 2)
+  as_f32 = {k: v.astype("float32") for k, v in hist[1].items()}
+  with pytest.raises(ValueError, match=r"'embed': bfloat16 \(64, 33\) there, float32"):
+    pub.publish(as_f32)
+  restarted = publisher.Publisher(st, chunk_elems=testing.CHUNK)
+  with pytest.raises(ValueError, match="does not have the published version 1's tensors"):
+    restarted.publish(as_f32)
+  fewer = {k: v for k, v in hist[1].items() if k != "embed"}
+  with pytest.raises(ValueError, match=r"'embed': bfloat16 \(64, 33\) there, absent here"):
+    restarted.publish(fewer)
+  assert publisher.read_index(st).latest == 1 and not st.exists(manifest_lib.manifest_key(2))
+  assert not restarted.publish(hist[1]).snapshot  # the same layout: a delta as before
+
+
 def test_gc_keeps_the_newest_snapshots_and_what_follows(tmp_path):
   st, pub, hist, _ = _publish(tmp_path, 8, snapshot_every=2, keep_snapshots=2)
   index = publisher.read_index(st)
