@@ -40,8 +40,9 @@ Three forms of the exchange; `choose_exchange` picks by capacity factor and back
     can to one shard), so nothing can drop; rows travel with their expert id and the receiver
     runs a dropless local implementation (`dropless_local_experts`: grouped or dispatch on the
     CPU). The price of never dropping with fixed shapes: buffers of |expert| n min(k, E_l) rows,
-    |expert| min(k, E_l) / (k cf) times the capacity form's; at |expert| = 2 more than the psum
-    baseline's (BENCHMARKS.md, "Expert parallelism dispatch").
+    |expert| min(k, E_l) / (k cf) times the capacity form's; for tiny.gin at 2 and 4 expert
+    shards more bytes and memory than the psum baseline, less at 8 (BENCHMARKS.md, "Expert
+    parallelism dispatch").
   * "ragged" (dropless on GPU/TPU): `jax.lax.ragged_all_to_all` sends exactly the assigned rows,
     sorted by destination, after an all_gather of the [|expert|] send counts; the receiver runs
     the local experts (ragged_dot on GPU/TPU) on them. Bytes moved are the real assignments; the
