@@ -9,7 +9,9 @@ The same code runs single-process and multi-process (`jax.distributed`): every p
 same global host batch and `place` hands each device its rows.
 
 `sampler_weights` returns what weight sync publishes to samplers: the current policy's flat
-weights (moe.params.flatten names) cast to the sampler dtype, and the policy version.
+weights (moe.params.flatten names) cast to the sampler dtype, and the policy version, gathered
+whole on every process. `sampler_shards` yields the same weights as the blocks this process
+holds (sync.sharded publishes them: no process gathers a tensor).
 
 Every program builds its learner with `build_learner` from one nested `LearnerConfig` (the loss
 and optimizer configs inside it, levanter-style), so the in-process pipeline, the multi-process
@@ -318,3 +320,37 @@ class Learner:
         v = multihost_utils.process_allgather(v, tiled=True)
       out[k] = np.asarray(jax.device_get(v))
     return out, self.policy_version
+
+  def sampler_shards(self, dtype: Optional[str] = None):
+    """(blocks, policy version): the weights of `sampler_weights`, as the blocks this process
+    holds, for sharded publishing (sync.sharded.ShardedPublisher).
+
+    `blocks` yields (name, box, global shape, numpy block) one at a time, sorted by name, for
+    every addressable shard of every tensor that is its block's first replica (`replica_id`
+    0), so across processes each block comes exactly once; `box` is the block's
+    (start, stop) per dimension. Nothing is gathered: a block is copied to the host only when
+    it is reached, and each tensor is cast to the sampler dtype on its own devices just before
+    its blocks (one tensor's cast copy at a time). Consume it before the next train_step.
+    """
+    dt = jnp.dtype(dtype) if dtype is not None else self.sampler_dtype
+    flat = params_lib.flatten(self.model(), to_numpy=False)
+    version = self.policy_version
+
+    def blocks():
+      for name in sorted(flat):
+        v = flat[name]
+        if not name.endswith("router/bias") and v.dtype != dt:
+          with jax.set_mesh(self.mesh):
+            v = _cast(v, dt)
+        for shard in v.addressable_shards:
+          if shard.replica_id:
+            continue
+          box = tuple(sl.indices(d)[:2] for sl, d in zip(shard.index, v.shape))
+          yield name, box, tuple(v.shape), np.asarray(shard.data)
+        del v
+
+    return blocks(), version
+
+
+# A cast on the array's own devices, keeping its sharding (sampler_shards).
+_cast = jax.jit(lambda x, dt: x.astype(dt), static_argnums=1)

@@ -6,6 +6,10 @@ and/or the files of its full snapshot, each with size and xxh3 hash. `Index` is 
 document the publisher rewrites last on every publish: the newest version and, per retained
 version, how many bytes its delta and snapshot take (what a subscriber needs to plan).
 
+Sharded versions (`sync.sharded`, one stream of versions per shard of a tensor, published by
+the learner process that owns the shard) have a `ShardedManifest` listing every shard
+(`ShardRef`: tensor, box, the stream's digest at that version) under their own index.
+
 Why: manifests are written after the objects they name, so a reader that sees a manifest sees
 complete data; the index is rewritten last, so "publish" is atomic (the index names a version
 only after its manifest exists). A manifest changes only in one way: on a subscriber's request
@@ -139,3 +143,163 @@ class Index:
     if index.latest is not None and index.latest not in index.versions:
       raise ManifestError(f"bad index: latest version {index.latest!r} is not listed")
     return index
+
+
+# -- Sharded versions (sync.sharded) --------------------------------------------------------------
+# A sharded version is published by every learner process for the shards it owns: each shard
+# (a block of a tensor, `box` = ((start, stop) per dimension)) is its own stream of versions
+# under `shard_prefix(name, box)` (index, manifests, deltas, snapshots laid out as above), and the
+# version's `ShardedManifest` lists every shard with its stream's digest at that version.
+SHARDED_INDEX_KEY = "sharded/INDEX.json"
+
+
+def sharded_manifest_key(version: int) -> str:
+  return f"sharded/v/{version:012d}.json"
+
+
+def shard_part_key(version: int, part: int) -> str:
+  """Where learner process `part` lists the shards it published for `version` (read by part 0,
+  which writes the version's manifest once every part has)."""
+  return f"sharded/parts/{version:012d}/{part:05d}.json"
+
+
+def shard_prefix(name: str, box) -> str:
+  """The store prefix of the stream of shard `box` of tensor `name`."""
+  token = "_".join(f"{a}-{b}" for a, b in box) or "scalar"
+  return f"shards/{name}/{token}/"
+
+
+def is_mutable(key: str) -> bool:
+  """Whether a store key names an object that is rewritten in place (an index), as opposed to
+  the immutable, versioned objects (relays cache those for good)."""
+  return key in (INDEX_KEY, SHARDED_INDEX_KEY) or key.endswith("/" + INDEX_KEY)
+
+
+def _box(j) -> tuple:
+  try:
+    box = tuple((int(a), int(b)) for a, b in j)
+  except (TypeError, ValueError) as e:
+    raise ManifestError(f"bad shard box {j!r}") from e
+  return box
+
+
+def box_shape(box) -> tuple:
+  return tuple(b - a for a, b in box)
+
+
+def cover_problem(tensors: dict, boxes: dict) -> str | None:
+  """What is wrong with a set of shards as a cover of `tensors`, or None.
+
+  Args:
+    tensors: name -> [dtype, global shape].
+    boxes: name -> list of boxes ((start, stop) per dimension).
+
+  A cover is right when every tensor's boxes lie inside its shape, do not overlap and together
+  hold every element (their volumes sum to the tensor's), and every boxed name is a tensor.
+  """
+  extra = sorted(set(boxes) - set(tensors))
+  if extra:
+    return f"shards of {extra[0]!r}, which is not a tensor of the version"
+  for name, (_, shape) in sorted(tensors.items()):
+    bs = boxes.get(name, [])
+    if not bs:
+      return f"tensor {name!r} has no shard"
+    for box in bs:
+      if len(box) != len(shape) or any(not 0 <= a <= b <= d for (a, b), d in zip(box, shape)):
+        return f"shard {list(box)} of {name!r} lies outside its shape {list(shape)}"
+    for i, x in enumerate(bs):
+      for y in bs[i + 1:]:
+        if all(max(a0, a1) < min(b0, b1) for (a0, b0), (a1, b1) in zip(x, y)):
+          return f"shards {list(x)} and {list(y)} of {name!r} overlap"
+    held = sum(_volume(b) for b in bs)
+    want = _volume(tuple((0, d) for d in shape))
+    if held != want:
+      return f"the shards of {name!r} hold {held} of its {want} elements"
+  return None
+
+
+def _volume(box) -> int:
+  v = 1
+  for a, b in box:
+    v *= b - a
+  return v
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardRef:
+  """One shard of a sharded version: tensor `name`'s block `box`, whose stream (under `prefix`)
+  holds the version with `digest` (`weights.digest` of {name: block}); the bytes of its delta
+  (None: none) and snapshot (None: none) at that version."""
+  name: str
+  box: tuple
+  digest: str
+  delta_bytes: int | None = None
+  snapshot_bytes: int | None = None
+
+  @property
+  def prefix(self) -> str:
+    return shard_prefix(self.name, self.box)
+
+  @property
+  def shape(self) -> tuple:
+    return box_shape(self.box)
+
+  def to_json(self):
+    return [self.name, [list(b) for b in self.box], self.digest, self.delta_bytes,
+            self.snapshot_bytes]
+
+  @classmethod
+  def from_json(cls, j):
+    try:
+      name, box, digest, d, s = j
+    except (TypeError, ValueError) as e:
+      raise ManifestError(f"bad shard ref {j!r}") from e
+    if not (isinstance(name, str) and isinstance(digest, str)) or not all(
+        x is None or (isinstance(x, int) and x >= 0) for x in (d, s)):
+      raise ManifestError(f"bad shard ref {j!r}")
+    return cls(name, _box(box), digest, d, s)
+
+
+@dataclasses.dataclass
+class ShardedManifest:
+  """A sharded version: its tensors (global dtype and shape) and every shard of them."""
+  version: int
+  digest: str
+  chunk_elems: int
+  tensors: dict  # name -> [dtype name, global shape list]
+  shards: list  # ShardRef, sorted by (name, box)
+  created: float = 0.0
+  info: dict = dataclasses.field(default_factory=dict)
+
+  @property
+  def delta_bytes(self) -> int | None:
+    """Bytes of the version's deltas (None if any shard has none: then it is whole)."""
+    sizes = [r.delta_bytes for r in self.shards]
+    return None if any(s is None for s in sizes) else sum(sizes)
+
+  @property
+  def snapshot_bytes(self) -> int | None:
+    """Bytes of the version's snapshots (None unless every shard has one)."""
+    sizes = [r.snapshot_bytes for r in self.shards]
+    return None if any(s is None for s in sizes) else sum(sizes)
+
+  def to_bytes(self) -> bytes:
+    d = dataclasses.asdict(self)
+    d["shards"] = [r.to_json() for r in self.shards]
+    return json.dumps(d, sort_keys=True).encode()
+
+  @classmethod
+  def from_bytes(cls, data: bytes) -> "ShardedManifest":
+    try:
+      d = json.loads(data)
+      d["shards"] = [ShardRef.from_json(r) for r in d["shards"]]
+      m = cls(**d)
+    except (ValueError, KeyError, TypeError) as e:
+      raise ManifestError(f"bad sharded manifest: {e}") from e
+    boxes = {}
+    for r in m.shards:
+      boxes.setdefault(r.name, []).append(r.box)
+    problem = cover_problem(m.tensors, boxes)
+    if problem:
+      raise ManifestError(f"sharded manifest {m.version}: {problem}")
+    return m

@@ -59,6 +59,7 @@ class PublishReport:
   raw_bytes: int
   encode_s: float
   total_s: float
+  digest: str = ""  # the version's (weights.digest)
 
 
 log = logging.getLogger(__name__)
@@ -290,7 +291,7 @@ class Publisher:
     self._prev_digest = m.digest
     self.gc()
     return PublishReport(version, m.snapshot is not None, m.delta_bytes, m.snapshot_bytes,
-                         weights.nbytes(flat), encode_s, time.perf_counter() - t0)
+                         weights.nbytes(flat), encode_s, time.perf_counter() - t0, m.digest)
 
   def _check_layout(self, version: int, tensors: dict) -> None:
     """Raises ValueError unless `tensors` ({name: [dtype, shape]}) are the newest published

@@ -4,9 +4,10 @@ What: `Relay(upstream)` serves `GET /o/<key>` (with `Range`) for the objects of 
 upstream is either a `store.Store` (then it is the origin, next to the learner) or the URLs of
 a parent relay (then it is a cluster relay). Immutable objects (versioned keys) are fetched
 from upstream once, concurrent requests for the same key share that one fetch, and the result
-is cached (LRU by bytes); `INDEX.json` is refetched after a short TTL. `warm()` pulls the newest
-version's manifest and delta before samplers ask, so a cluster's samplers never wait on the
-WAN one by one. `RelayServer` runs a relay on its own thread (tests, tools).
+is cached (LRU by bytes); indexes (`INDEX.json`, and a sharded version's, `manifest.is_mutable`)
+are refetched after a short TTL. `warm()` pulls the newest version's manifest and delta before
+samplers ask, so a cluster's samplers never wait on the WAN one by one. `RelayServer` runs a
+relay on its own thread (tests, tools).
 
 Why: across clusters the WAN is the scarce link; one relay per cluster moves each version over
 it exactly once and serves the local samplers over the cluster network. A relay never hands
@@ -67,17 +68,17 @@ class Relay:
     self._cache = collections.OrderedDict()
     self._cached = 0
     self._inflight = {}
-    self._index = (0.0, None)
+    self._index = {}  # index key -> (monotonic time fetched, bytes)
     self.upstream_fetches = collections.Counter()  # key -> upstream fetches
     self.served_bytes = 0
 
   async def get(self, key: str) -> bytes:
     """The object, from cache, from an in-flight fetch, or from upstream."""
-    if key == manifest_lib.INDEX_KEY:
-      t, data = self._index
+    if manifest_lib.is_mutable(key):  # an index (a sharded version has one per shard)
+      t, data = self._index.get(key, (0.0, None))
       if data is None or time.monotonic() - t > self.index_ttl_s:
         data = await self._up.get(key)
-        self._index = (time.monotonic(), data)
+        self._index[key] = (time.monotonic(), data)
       return data
     if key in self._cache:
       self._cache.move_to_end(key)

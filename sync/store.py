@@ -58,3 +58,48 @@ class Store:
     if self.url.startswith(("gs://", "s3://")):
       return self.url + key
     raise ValueError(f"no path form for {self.url}")
+
+
+
+def prefixed(store, prefix: str):
+  """The objects of `store` under `prefix`, keys relative to it: one shard's stream of a sharded
+  version (`sync.sharded`) is an ordinary store to the `Publisher` and `Subscriber` that follow
+  it. A `PrefixedStore` over a store that writes, a read-only `PrefixedSource` over a source
+  that only reads (`transport.HttpSource`): a subscriber tells them apart by `put`, as it does
+  the store and source themselves."""
+  return (PrefixedStore if hasattr(store, "put") else PrefixedSource)(store, prefix)
+
+
+class PrefixedSource:
+  """`.get` of a source's objects under a prefix (see `prefixed`)."""
+
+  def __init__(self, source, prefix: str):
+    if not prefix.endswith("/") or prefix.startswith("/") or ".." in prefix.split("/"):
+      raise ValueError(f"bad store prefix {prefix!r} (relative, ending in '/')")
+    self._store, self.prefix = source, prefix
+
+  def get(self, key: str, *args, **kw) -> bytes:
+    return self._store.get(self.prefix + key, *args, **kw)
+
+
+class PrefixedStore(PrefixedSource):
+  """A store's objects under a prefix, with every `Store` method (see `prefixed`)."""
+
+  def put(self, key: str, data: bytes) -> None:
+    self._store.put(self.prefix + key, data)
+
+  def exists(self, key: str) -> bool:
+    return self._store.exists(self.prefix + key)
+
+  def list(self, prefix: str = "") -> list[str]:
+    n = len(self.prefix)
+    return [k[n:] for k in self._store.list(self.prefix + prefix)]
+
+  def delete(self, key: str) -> None:
+    self._store.delete(self.prefix + key)
+
+  def delete_prefix(self, prefix: str) -> None:
+    self._store.delete_prefix(self.prefix + prefix)
+
+  def path_for(self, key: str) -> str:
+    return self._store.path_for(self.prefix + key)

@@ -255,15 +255,23 @@ class Subscriber:
     return [f"{k} {v}" for k, v in sorted(self.damaged, key=lambda x: (x[1], x[0]))
             if v <= version and (start is None or v > start)]
 
-  def poll(self) -> UpdateReport | None:
-    """Moves to the newest version if there is one; returns its report, or None.
+  def poll(self, target: int | None = None) -> UpdateReport | None:
+    """Moves to the newest version if there is one (or to `target`, a published version not
+    older than the one held: a shard's stream may run ahead of its sharded version, see
+    `sharded`); returns its report, or None when already there.
 
     Raises:
       SyncError: every path failed (or, with a damaged link and no snapshot past it, none
         exists yet); the previous weights are still held (and served).
+      ValueError: `target` is older than the version held, or not published.
       manifest.ManifestError: the index stayed malformed through `read_index`'s retries.
     """
     index = self._read_index()
+    if target is not None:
+      if target not in index.versions or (self.version is not None and target < self.version):
+        raise ValueError(f"cannot move from version {self.version} to {target} (published: "
+                         f"{sorted(index.versions)})")
+      index = manifest_lib.Index(target, {v: s for v, s in index.versions.items() if v <= target})
     if index.latest is None or index.latest == self.version == self._served:
       return None
     start = self.version
