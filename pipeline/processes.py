@@ -1,14 +1,17 @@
-"""The pipeline's parts as separate processes: learner, sampler and controller.
+"""The pipeline's parts as separate processes: learner, sampler, controller and weight relay.
 
 Each `run_*` function below is the body of one part of the `//tools:rl_part` binary
-(`bazel run //tools:rl_part -- learner|sampler|controller ... [--tokenizer=DIR]`). They meet
-through a shared work directory:
+(`bazel run //tools:rl_part -- learner|sampler|controller|relay ... [--tokenizer=DIR]`). They
+meet through a shared work directory:
   <workdir>/trajectories/   record files (controller writes, learner reads)
   <workdir>/weights/        the sync store (learner publishes, samplers subscribe)
   <workdir>/checkpoints/    the learner's checkpoints (train state + reader position)
-and the controller reaches the samplers over HTTP (their OpenAI-compatible API). Any part can be
-killed and restarted: the learner restores its checkpoint, a sampler reloads the newest published
-weights, the controller resumes after the last group it wrote.
+and the controller reaches the samplers over HTTP (their OpenAI-compatible API). Samplers read
+the weights from the store, or through relays (`run_relay`: a cluster's samplers pull through
+its relay, which moves each version from its parent once). Any part can be killed and
+restarted: the learner restores its checkpoint, a sampler reloads the newest published weights,
+the controller resumes after the last group it wrote, and a relay's samplers hold their version
+until it is back (or read through the next relay they were given).
 
 Every part speaks the model's tokenizer (`tokenizer_dir`: a directory holding tokenizer.json, as
 a model directory the experiment wrote does; none means bytes). Parts that disagree would encode
@@ -254,9 +257,13 @@ def run_learner(workdir: str, model_cfg: ModelConfig, config: PipelineConfig,
   return learner.step
 
 
-def wait_for_weights(store_url: str, timeout_s: float = 600.0, name: Optional[str] = None):
-  """(store, subscriber) once the learner has published anything; the subscriber (named `name`)
+def wait_for_weights(source, timeout_s: float = 600.0, name: Optional[str] = None):
+  """(source, subscriber) once the learner has published anything; the subscriber (named `name`)
   holds the newest version it could restore, in `.weights` and `.version`.
+
+  `source`: the weight store's URL (`paths(workdir)["weights"]`, read directly), or anything with
+  `.get(key)`, such as a sync.transport.HttpSource over relays (`weight_source`). A source that
+  cannot be read yet (a relay not up) is retried like a store with nothing published.
 
   Restarted across a damaged delta, that is the newest version reachable around it (a newer
   snapshot, or the last version before the damage): sync.subscriber.Subscriber.restore says so
@@ -269,32 +276,72 @@ def wait_for_weights(store_url: str, timeout_s: float = 600.0, name: Optional[st
   from sync import publisher as publisher_lib  # pylint: disable=g-import-not-at-top
   from sync import store as store_lib  # pylint: disable=g-import-not-at-top
   from sync import subscriber as subscriber_lib  # pylint: disable=g-import-not-at-top
-  store = store_lib.Store(store_url)
+  from sync import transport  # pylint: disable=g-import-not-at-top
+  store = store_lib.Store(source) if isinstance(source, str) else source
   sub = subscriber_lib.Subscriber(store, None, name=name)
   t0 = time.monotonic()
   failed = None
   while True:
-    if publisher_lib.read_index(store).latest is not None:
-      try:
+    try:
+      if publisher_lib.read_index(store).latest is not None:
         sub.restore()
         return store, sub
-      except subscriber_lib.SyncError as e:
-        if str(e) != failed:
-          log.warning("no published weights can be restored yet (%s); retrying", e)
-          failed = str(e)
+    except (subscriber_lib.SyncError, transport.HttpError, OSError) as e:
+      if str(e) != failed:
+        log.warning("no published weights can be restored yet (%s); retrying", e)
+        failed = str(e)
     if time.monotonic() - t0 > timeout_s:
-      raise TimeoutError(f"no weights could be restored from {store_url} in {timeout_s}s"
+      raise TimeoutError(f"no weights could be restored from {source} in {timeout_s}s"
                          + (f" (last: {failed})" if failed else ""))
     time.sleep(0.2)
 
 
+def weight_source(workdir: str, weight_urls: Optional[Sequence[str]] = None):
+  """Where a sampler reads the published weights: the work directory's store, or with
+  `weight_urls` the relays at those URLs (sync.transport.HttpSource: tried in order per
+  request, a broken transfer resumed on the next), e.g. its cluster's relay, then the origin
+  relay to fail over to."""
+  if not weight_urls:
+    return paths(workdir)["weights"]
+  from sync import transport  # pylint: disable=g-import-not-at-top
+  return transport.HttpSource(list(weight_urls), timeout_s=10.0, attempts=2)
+
+
+def run_relay(workdir: str, *, port: int, upstream: Optional[Sequence[str]] = None,
+              cache_bytes: int = 8 << 30, stop: Optional[threading.Event] = None) -> None:
+  """Serves the published weights to samplers over HTTP (sync.relay; blocking until `stop`).
+
+  Without `upstream` it reads the work directory's store itself (an origin relay, beside the
+  learner, or a cluster relay on a shared filesystem); with `upstream` (URLs of a parent
+  relay, tried in order) it is a cluster relay that moves each object over the link from its
+  parent once and serves its cluster's samplers (`run_sampler(weight_urls=...)`). A relay holds
+  no state a sampler needs to be correct: killed, its samplers keep serving the version they
+  hold (their /health says weight sync is failing) and catch up when it is back, or read
+  through the next URL they were given meanwhile.
+  """
+  from sync import relay as relay_lib  # pylint: disable=g-import-not-at-top
+  from sync import store as store_lib  # pylint: disable=g-import-not-at-top
+  up = list(upstream) if upstream else store_lib.Store(paths(workdir)["weights"])
+  server = relay_lib.RelayServer(relay_lib.Relay(up, cache_bytes=cache_bytes), port=port)
+  url = server.start()
+  print(f"relay serving {'relays ' + ', '.join(up) if upstream else 'the weight store'} on "
+        f"{url}", flush=True)
+  try:
+    (stop or threading.Event()).wait()
+  finally:
+    server.stop()
+
+
 def run_sampler(workdir: str, *, port: int, max_slots: int = 64, max_len: int = 256,
                 sync_interval_s: float = 0.05, stale_versions: int = 2,
-                stale_s: float = 60.0, tokenizer_dir: Optional[str] = None) -> None:
+                stale_s: float = 60.0, tokenizer_dir: Optional[str] = None,
+                weight_urls: Optional[Sequence[str]] = None) -> None:
   """Serves the newest published weights over HTTP and follows new versions (blocking).
 
   It starts on the newest version it can restore (`wait_for_weights`: around a damaged delta,
-  asking the learner for a snapshot) and follows from there.
+  asking the learner for a snapshot) and follows from there, reading the weights from the work
+  directory's store, or with `weight_urls` through the relays at those URLs (`weight_source`,
+  `run_relay`).
 
   `tokenizer_dir`: the model's tokenizer (`load_tokenizer`; None: bytes), the engine's for stop
   strings and text prompts; the directory's EOS list (`eos_token_ids`; else the tokenizer's
@@ -310,7 +357,7 @@ def run_sampler(workdir: str, *, port: int, max_slots: int = 64, max_len: int = 
   from rollout import server  # pylint: disable=g-import-not-at-top
   from rollout.engine import Engine, EngineConfig  # pylint: disable=g-import-not-at-top
   tok = load_tokenizer(tokenizer_dir)  # a missing file fails before the wait for weights
-  store, sub = wait_for_weights(paths(workdir)["weights"], name=f"sampler-{port}")
+  store, sub = wait_for_weights(weight_source(workdir, weight_urls), name=f"sampler-{port}")
   cfg, info = _model_config_of(store, sub.version)
   check_tokenizer(tok, cfg, info.get("tokenizer"), part="sampler", tokenizer_dir=tokenizer_dir)
   tok = load_tokenizer(tokenizer_dir, cfg.vocab_size)  # now with the model's ids

@@ -5,6 +5,14 @@
   bazel run //tools:rl_part -- controller --workdir=/tmp/rl --steps=60 [--tokenizer=DIR] \
       --samplers=http://127.0.0.1:8101,http://127.0.0.1:8102
 
+Weights through relays (pipeline/processes.py, run_relay): an origin relay beside the learner,
+one relay per cluster pulling from it, and each sampler reading through its cluster's relay,
+then the origin to fail over to:
+  bazel run //tools:rl_part -- relay --workdir=/tmp/rl --port=8201              # origin
+  bazel run //tools:rl_part -- relay --workdir=/tmp/rl --port=8202 --upstream=http://127.0.0.1:8201
+  bazel run //tools:rl_part -- sampler --workdir=/tmp/rl --port=8101 \
+      --weights_via=http://127.0.0.1:8202,http://127.0.0.1:8201
+
 A model the agentic experiment pre-trained speaks a byte-level BPE saved beside it, so every
 part names it (all three the same; rl_part refuses to start on a mismatch):
   bazel run //tools:rl_part -- learner --workdir=/tmp/rl \
@@ -39,12 +47,17 @@ DEFAULT_EXPERIMENT = "tools/configs/experiments/default.gin"
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("part", choices=("learner", "sampler", "controller"))
+  p.add_argument("part", choices=("learner", "sampler", "controller", "relay"))
   p.add_argument("--workdir", required=True)
   p.add_argument("--steps", type=int, default=None, help="learner steps (default: RLConfig)")
   p.add_argument("--init_checkpoint", default=None)
   p.add_argument("--port", type=int, default=0)
   p.add_argument("--samplers", default="", help="comma-separated sampler URLs or @job names")
+  p.add_argument("--weights_via", default="",
+                 help="sampler: read the weights through these relays (comma-separated URLs or "
+                      "@job names, tried in order) instead of the work directory's store")
+  p.add_argument("--upstream", default="",
+                 help="relay: the parent relays' URLs (or @job names); none: read the store")
   p.add_argument("--tokenizer", default=None, metavar="DIR",
                  help="directory holding the model's tokenizer.json (default: the learner's "
                       "--init_checkpoint's if it has one, else bytes)")
@@ -72,20 +85,19 @@ def _run_part(parser: argparse.ArgumentParser, args, cfg, steps: int) -> int:
     processes.run_learner(args.workdir, cfg.model, cfg.rl.pipeline, cfg.rl.learner, steps=steps,
                           init_checkpoint=args.init_checkpoint, seed=cfg.seed,
                           tokenizer_dir=args.tokenizer)
-  elif args.part == "sampler":
+  elif args.part in ("sampler", "relay"):
     port = args.port
     if not port:
       from launch import discovery  # pylint: disable=g-import-not-at-top
       port = discovery.my_port()
-    processes.run_sampler(args.workdir, port=port, max_slots=cfg.rl.sampler_slots,
-                          max_len=cfg.model.max_seq_len, tokenizer_dir=args.tokenizer)
+    if args.part == "relay":
+      processes.run_relay(args.workdir, port=port, upstream=_urls(args.upstream) or None)
+    else:
+      processes.run_sampler(args.workdir, port=port, max_slots=cfg.rl.sampler_slots,
+                            max_len=cfg.model.max_seq_len, tokenizer_dir=args.tokenizer,
+                            weight_urls=_urls(args.weights_via) or None)
   else:
-    urls = []
-    for s in filter(None, args.samplers.split(",")):
-      if s.startswith("@"):
-        from launch import discovery  # pylint: disable=g-import-not-at-top
-        s = "http://" + discovery.address_of(s[1:])
-      urls.append(s)
+    urls = _urls(args.samplers)
     if not urls:
       parser.error("the controller needs --samplers")
     from experiment import run as run_lib  # pylint: disable=g-import-not-at-top
@@ -103,6 +115,17 @@ def _run_part(parser: argparse.ArgumentParser, args, cfg, steps: int) -> int:
       print(f"error: {e}", file=sys.stderr)
       return 1
   return 0
+
+
+def _urls(flag: str) -> list:
+  """The comma-separated URLs of a flag, `@job` names resolved through the launcher."""
+  urls = []
+  for s in filter(None, flag.split(",")):
+    if s.startswith("@"):
+      from launch import discovery  # pylint: disable=g-import-not-at-top
+      s = "http://" + discovery.address_of(s[1:])
+    urls.append(s)
+  return urls
 
 
 if __name__ == "__main__":
