@@ -5,11 +5,21 @@
 #
 #   scripts/bootstrap.sh          runtime requirements
 #   scripts/bootstrap.sh --test   runtime and test requirements
+#   scripts/bootstrap.sh --gpu    also jax's CUDA 12 build for NVIDIA GPUs (requirements-gpu.txt:
+#                                 the same jax version, its CUDA plugin and the CUDA libraries as
+#                                 wheels); combines with --test. Nothing else changes on a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 want_test=0
-[[ "${1:-}" == "--test" ]] && want_test=1
+want_gpu=0
+for arg in "$@"; do
+  case "$arg" in
+    --test) want_test=1 ;;
+    --gpu) want_gpu=1 ;;
+    *) echo "bootstrap: unknown flag '$arg' (known: --test, --gpu)" >&2; exit 2 ;;
+  esac
+done
 
 sudo_cmd=()
 if [[ "$(id -u)" != 0 ]] && command -v sudo >/dev/null; then sudo_cmd=(sudo); fi
@@ -34,5 +44,19 @@ if [[ ! -f "$stamp" ]]; then
   touch "$stamp"
   # A test install also satisfies the runtime one.
   (( want_test )) && touch "${stamp%-1}-0"
+fi
+
+if (( want_gpu )); then
+  # Its own stamp: the CPU install above leaves it alone unless it reinstalls (then it goes too,
+  # and this reinstalls the plugin for the jax that requirements.txt now pins).
+  gpu_hash=$(cat requirements.txt requirements-gpu.txt | sha256sum | cut -c1-16)
+  gpu_stamp=".venv/.installed-gpu-$gpu_hash"
+  if [[ ! -f "$gpu_stamp" ]]; then
+    echo "bootstrap: installing requirements-gpu.txt (jax's CUDA build) into .venv"
+    .venv/bin/python3 -m pip install -q --disable-pip-version-check -r requirements-gpu.txt
+    touch "$gpu_stamp"
+  fi
+  .venv/bin/python3 -c 'import jax; print(f"bootstrap: jax {jax.__version__} runs on "
+                                          f"{jax.default_backend()}: {jax.devices()}")'
 fi
 echo "bootstrap: ready"
