@@ -29,7 +29,7 @@ TINY_FLAGS = [
     "--gin.ModelConfig.moe_intermediate_size=64",
     "--batches=1,4", "--prompt_len=8", "--new_tokens=8", "--repeats=1", "--decode_steps=4",
     "--length_bucket=16",
-    "--seq_len=32", "--batch_rows=2", "--steps=2", "--warmup=1", "--matmul_sizes=64,128",
+    "--seq_len=32", "--batch_rows=2", "--steps=2", "--warmup=1", "--matmul_sizes=128,256",
     "--ep_batch_rows=2", "--ep_seq_len=16", "--expert_shards=8", "--capacity_factors=1.25",
     "--ep_repeats=1", "--ep_warmup=1",
     "--replay_batch=2", "--replay_new_tokens=6",
