@@ -1,9 +1,11 @@
 """The sampling engine: continuous batching over fixed KV-cache slots, weight swaps in place.
 
 The engine is the serving thread, the weight swaps and the API; what runs where and with which
-shapes is `rollout.scheduler`'s, the cache it fills is `rollout.kv_cache`, the device programs
-it calls are `rollout.device_programs`, the per-slot tables they read are `rollout.slot_tables`,
-and turning tokens into results (stop strings, streams, Completions) is `rollout.outputs`.
+shapes is `rollout.scheduler`'s, its device state and calls (weights, KV cache, prefix store)
+are `rollout.model_runner`'s, the per-slot tables they read
+are `rollout.slot_tables`, handing tokens to requests and ending them is
+`rollout.request_flow`, and turning tokens into results (stop strings, streams, Completions) is
+`rollout.outputs`.
 
 What:
   * `Engine(model, config=EngineConfig(...))` serves a `MoEDecoder` (or `Engine.from_flat`).
@@ -42,26 +44,21 @@ import threading
 import time
 from typing import Callable, Mapping, Optional, Sequence
 
-import jax
 import numpy as np
 
 from moe import params as moe_params
 from moe.config import ModelConfig
 from rollout import delta_swap
-from rollout import device_programs
 from rollout import forward
-from rollout import kv_cache
-from rollout import outputs
-from rollout import packed_weights
-from rollout import prefix_programs
-from rollout import prefix_reuse
+from rollout import model_runner
 from rollout import request_checks
+from rollout import request_flow
 from rollout import scheduler
 from rollout import slot_tables
 from rollout import warmup
 from rollout import weight_checks
 from rollout.engine_types import (Completion, EngineConfig, EngineStopped, PreparedWeights,
-                                  QueueFull, RequestHandle, Sample)
+                                  QueueFull, RequestHandle)
 from rollout.sampling import SamplingParams
 
 __all__ = ["Completion", "Engine", "EngineConfig", "EngineStopped", "PreparedWeights",
@@ -113,35 +110,27 @@ class Engine:
     self.tokenizer = tokenizer
     self._flat = flat
     self._flat_rms = None  # weight_checks.rms of _flat, measured once when a swap needs it
-    self._params = packed_weights.pack(flat, cfg, ec.dtype)
+    self._runner = model_runner.ModelRunner(cfg, ec, max_len, flat, blocks)
     self.version = version
-    self._prefix = (prefix_reuse.PrefixReuse(cfg, ec, max_len, self._params["embed"].dtype,
-                                             blocks) if blocks else None)
-    self._alloc_cache()
+    self._prefix = self._runner.prefix
     self._slots = slot_tables.new_tables(ec.max_slots, ec.max_stop_ids)
     self._cv_lock = threading.Condition()
     self._sched = scheduler.Scheduler(ec, max_len, self._cv_lock,
                                       planner=self._prefix.plan if self._prefix else None)
+    self.stats = collections.Counter()
+    self._flow = request_flow.RequestFlow(cfg, self._sched, self._slots, self.stats,
+                                          self._prefix, tokenizer)
     self._pending_swap = None
-    self._retired = None
     self._swap_followup = None  # (result, event) of a swap whose first decode call is pending
     self._recent_calls: collections.deque = collections.deque(maxlen=4)  # (shape key, seconds)
     self._stopping = False
     self._thread: Optional[threading.Thread] = None
     self._rng = np.random.default_rng()
-    self.stats = collections.Counter()
     self._tok_window: collections.deque = collections.deque()  # (time, tokens)
     self._delta_swapper = delta_swap.DeltaSwapper(self)
     self.last_swap: dict = {}
     if start:
       self.start()
-
-  def _alloc_cache(self) -> None:
-    cfg = self.model_config
-    dt = self._params["embed"].dtype
-    self._ck, self._cv = kv_cache.allocate(cfg, self.config.max_slots, self.max_len, dt)
-    if self._prefix is not None:  # blocks waiting to be copied out of the old cache are lost
-      self._prefix.reset()
 
   def start(self) -> None:
     if self._thread is not None:
@@ -265,8 +254,7 @@ class Engine:
     if reference_rms is None:
       reference_rms = self.served_rms()
     new_rms = weight_checks.check(flat, self.model_config, reference_rms)
-    packed = packed_weights.pack(flat, self.model_config, self.config.dtype)
-    jax.block_until_ready(packed)
+    packed = self._runner.pack(flat)
     return PreparedWeights(packed, flat, time.perf_counter() - t0, new_rms)
 
   def served_rms(self) -> dict:
@@ -372,9 +360,7 @@ class Engine:
     random streams and the counters stay as they were. Returns `warmup.compile_all`'s counts.
     """
     progs = self.programs()
-    pr = self._prefix
-    args = warmup.Arguments.of(self._params, self._ck, self._cv, self._slots,
-                               pr.store_k if pr else None, pr.store_v if pr else None)
+    args = self._runner.warmup_args(self._slots)
     compile_one = functools.partial(warmup.compile_program, cfg=self.model_config,
                                     config=self.config, args=args)
     return warmup.compile_all(progs, compile_one, progress, threads, stop)
@@ -418,11 +404,11 @@ class Engine:
       try:
         if swap is not None:
           self._apply_swap(swap, last_chunk_end)
-        self._expire()
+        self._flow.expire()
         # Prefill first: fill every free slot before the next decode call, so a burst of
         # requests decodes as one batch instead of ramping up one prefill call per chunk.
         while self._admit():
-          self._expire()  # each prefill call takes time: end what timed out meanwhile
+          self._flow.expire()  # each prefill call takes time: end what timed out meanwhile
         if self._sched.has_running():
           self._decode()
         if self._swap_followup is not None and swap is not None:
@@ -440,11 +426,11 @@ class Engine:
         log.exception("engine loop error")
         if self._swap_followup is not None:
           self._end_followup({})
-        self._fail_all(e)
-        self._alloc_cache()  # a failed call may have consumed the donated cache buffers
+        self._flow.fail_all(e)
+        self._runner.alloc_cache()  # a failed call may have consumed the donated cache buffers
     if self._swap_followup is not None:
       self._end_followup({})
-    self._fail_all(EngineStopped("the engine stopped"), reason="cancelled")
+    self._flow.fail_all(EngineStopped("the engine stopped"), reason="cancelled")
 
   def _apply_swap(self, swap, last_chunk_end) -> None:
     new_params, flat, rms, version, done, result, first_done = swap
@@ -452,8 +438,7 @@ class Engine:
       self._end_followup({})
     # Freeing the old weights (GBs) takes long; keep them until the next device call is queued,
     # so that the free overlaps with its compute instead of pausing decoding.
-    self._retired = (self._params, self._flat)
-    self._params = new_params
+    self._runner.swap_params(new_params, self._flat)
     with self._cv_lock:
       self._flat = flat
       self._flat_rms = None if rms is None else (flat, rms)
@@ -481,55 +466,12 @@ class Engine:
         self.last_swap = {**self.last_swap, **figures}
     first_done.set()
 
-  def _fail_all(self, err: Exception, reason: str = "error") -> None:
-    """Ends in-flight requests (and, when stopping, queued ones) so no caller waits forever."""
-    queued = self._sched.drain() if reason == "cancelled" else []
-    owner = self._sched.owner
-    handles = {id(o[0]): o[0] for o in owner if o is not None}
-    for slot, o in enumerate(owner):
-      if o is not None:
-        self._free(slot)
-    for h in list(handles.values()) + queued:
-      if not h.future.done():
-        if reason == "cancelled":
-          for s in h.samples:
-            if s.finish_reason is None:
-              s.finish_reason = "cancelled"
-          self._complete(h)
-        else:
-          h.future.set_exception(err)
-
-  def _free(self, slot: int) -> None:
-    self._sched.release(slot)
-    self._slots["active"][slot] = False
-    self._slots["pos"][slot] = 0
-    self._slots["remaining"][slot] = 0
-
-  def _expire(self) -> None:
-    """Ends cancelled and timed-out requests, queued or running."""
-    now = time.monotonic()
-    for h, r in self._sched.expired_queued(now):
-      for s in h.samples:
-        s.finish_reason = r
-      self._complete(h)
-      self.stats[f"{r}_total"] += 1
-    seen = set()
-    for slot, r in self._sched.expired_slots(now):
-      h, s = self._sched.owner[slot]
-      s.finish_reason = r
-      self._free(slot)
-      if id(h) not in seen:
-        seen.add(id(h))
-        self.stats[f"{r}_total"] += 1
-      self._maybe_complete(h)
-
   def _admit(self) -> bool:
     """Prefills the queued requests that fit free slots (one prompt length bucket).
 
     Returns whether anything was admitted (the loop calls it until nothing more fits).
     """
-    if self._prefix is not None:  # the scheduler plans with the index: make it current first
-      self._prefix.flush(self._ck, self._cv)
+    self._runner.flush_prefix()  # the scheduler plans with the prefix index: make it current
     batch, bucket = self._sched.take_prefill_batch()
     if batch:
       try:
@@ -537,24 +479,9 @@ class Engine:
       except Exception as e:  # they left the queue: answer them before the loop's handler
         for h, _ in batch:
           if not h.future.done():
-            self._fail_request(h, e)
+            self._flow.fail_request(h, e)
         raise
     return bool(batch)
-
-  def _fail_request(self, h: RequestHandle, err: BaseException) -> None:
-    """Ends one request with `err` (its future raises), freeing the slots it holds."""
-    log.error("request %d failed: %r", h.id, err)
-    for s in h.samples:
-      o = None if s.slot is None else self._sched.owner[s.slot]
-      if o is not None and o[0] is h:
-        self._free(s.slot)
-    if not h.future.done():
-      self.stats["failed_total"] += 1
-      h.future.set_exception(err)
-
-  def _cache_alive(self) -> bool:
-    """Whether the KV cache buffers still exist (a failed call may have consumed donated ones)."""
-    return not any(x.is_deleted() for x in (*self._ck, *self._cv))
 
   def _prefill(self, batch, length: int) -> None:
     """Prefills `batch` = [(handle, its slots)] and seeds their slots; failures stay per request.
@@ -563,7 +490,7 @@ class Engine:
     fails for several requests, each is retried alone, so only the one that fails again fails;
     if the call consumed the cache, the running requests lost their KV and fail too.
     """
-    ec = self.config
+    ec, flow = self.config, self._flow
     staged = []
     for h, slots in batch:
       try:
@@ -576,105 +503,43 @@ class Engine:
                                if found and self.model_config.num_moe_layers else None)
         staged.append((h, slots, v))
       except Exception as e:
-        self._fail_request(h, e)
+        flow.fail_request(h, e)
     if not staged:
       return
     try:
       out = self._prefill_call(staged, length)
     except Exception as e:
-      if not self._cache_alive():
+      if not self._runner.cache_alive():
         log.exception("prefill call failed and consumed the KV cache")
-        self._fail_all(e)
+        flow.fail_all(e)
         for h, _, _ in staged:
-          self._fail_request(h, e)
-        self._alloc_cache()
+          flow.fail_request(h, e)
+        self._runner.alloc_cache()
         return
       if len(staged) == 1:
-        self._fail_request(staged[0][0], e)
+        flow.fail_request(staged[0][0], e)
         return
       log.warning("prefill of %d requests failed (%r); retrying one by one", len(staged), e)
       for h, slots, _ in staged:
         self._prefill([(h, slots)], length)
       return
-    self._seed_slots(staged, out)
+    flow.seed_slots(staged, out, self.version)
 
   def _prefill_call(self, staged: list, length: int) -> tuple:
     """One prefill device call for `staged` requests; its outputs on the host."""
     ec, cfg = self.config, self.model_config
     rows = self._sched.prefill_rows(len(staged), length)
-    a = slot_tables.prefill_arrays(staged, rows, length, ec.max_slots)
     caps = forward.capacity_tiers(rows * length, cfg, ec.capacity_factors, ec.deterministic)
     top_n = self._sched.top_n(any(h.params.logprobs for h, _, _ in staged))
     t0 = time.perf_counter()
-    pr = self._prefix
-    if pr is not None and (prefix_reuse.always_extends(ec)
-                           or any(v["start"] for _, _, v in staged)):
-      table = np.zeros((rows, pr.table_width(max(len(v["blocks"]) for _, _, v in staged))),
-                       np.int32)
-      start = np.zeros(rows, np.int32)
-      for r, (_, _, v) in enumerate(staged):
-        table[r, :len(v["blocks"])] = v["blocks"]
-        start[r] = v["start"]
-      self._ck, self._cv, *out = prefix_programs.extend_into_slots(
-          self._params, self._ck, self._cv, pr.store_k, pr.store_v, table, start, a["tokens"],
-          a["lengths"], a["dst"], a["src"], a["temp"], a["top_k"], a["top_p"], a["seed"],
-          a["sample"], cfg=cfg, caps=caps, top_n=top_n)
-    else:
-      self._ck, self._cv, *out = device_programs.prefill_into_slots(
-          self._params, self._ck, self._cv, a["tokens"], a["lengths"], a["dst"], a["src"],
-          a["temp"], a["top_k"], a["top_p"], a["seed"], a["sample"], cfg=cfg, caps=caps,
-          top_n=top_n)
-    out = tuple(np.asarray(x) for x in out)
+    out, prompt_tokens = self._runner.prefill(staged, rows, length, caps, top_n)
     self.stats["prefill_calls_total"] += 1
     self.stats["prefill_seconds_total"] += time.perf_counter() - t0
-    self.stats["prompt_tokens_total"] += int(a["lengths"][:len(staged)].sum())
+    self.stats["prompt_tokens_total"] += prompt_tokens
     return out
 
-  def _seed_slots(self, staged: list, out: tuple) -> None:
-    """Hands each prefilled request its first tokens and seeds its slots for decoding."""
-    tok, lp, routing, top_lp, top_ids = out
-    moe = self.model_config.num_moe_layers
-    st = self._slots
-    m = 0
-    for r, (h, slots, v) in enumerate(staged):
-      first = m
-      m += len(slots)
-      try:
-        n_p, c = len(h.prompt), v["start"]
-        h.cached_tokens = c
-        full = None  # routing of prompt positions [0, n_p): the cached ones, then the prefill's
-        if moe:
-          full = routing[:, r, :n_p - c]
-          if c:
-            full = np.concatenate([v["cached_routing"], full], axis=1)
-        h.prompt_routing = full[:, :n_p - 1] if moe else None
-        if self._prefix is not None:
-          self._prefix.insert_prompt(h, slots[0], full)
-        for i, slot in enumerate(slots):
-          s = h.samples[i]
-          s.slot = slot
-          self._sched.assign(slot, h, s)
-          for k in ("temp", "top_k", "top_p", "seed", "stop"):
-            st[k][slot] = v[k]
-          st["sample"][slot] = v["samples"][i]
-          t = int(tok[first + i])
-          self._emit(h, s, [t], [float(lp[first + i])], [full[:, n_p - 1]] if moe else [None],
-                     top=[(top_ids[first + i], top_lp[first + i])])
-          if s.finish_reason is not None:  # a stop string in the first token
-            continue
-          st["tok"][slot], st["pos"][slot] = t, n_p
-          st["remaining"][slot] = v["remaining"]
-          st["tindex"][slot] = 1
-          st["active"][slot] = True
-          if t in h.stop_ids:
-            self._finish(slot, "stop")
-          elif h.params.max_tokens == 1:
-            self._finish(slot, "length")
-        self._flush_stream(h)
-      except Exception as e:  # host-side handling of this request's tokens: fail it alone
-        self._fail_request(h, e)
-
   def _decode(self) -> None:
+    """One decode call over the running slots; its tokens go to their requests."""
     ec, cfg = self.config, self.model_config
     st = self._slots
     owner = self._sched.owner
@@ -683,17 +548,9 @@ class Engine:
     caps = forward.capacity_tiers(nb, cfg, ec.capacity_factors, ec.deterministic)
     top_n = self._sched.top_n(any(owner[i][0].params.logprobs for i in owned))
     version = self.version
-    if self._prefix is not None:  # the call writes every slot: copy queued blocks out first
-      self._prefix.flush(self._ck, self._cv)
+    self._runner.flush_prefix()  # the call writes every slot: copy queued blocks out first
     t0 = time.perf_counter()
-    self._ck, self._cv, carried, outs = device_programs.decode_chunk(
-        self._params, self._ck, self._cv, st, cfg=cfg, nb=nb, sv=sv, steps=ec.decode_steps,
-        caps=caps, top_n=top_n)
-    t_free = time.perf_counter()
-    self._retired = None  # the call is queued (async dispatch): free old weights meanwhile
-    free_s = time.perf_counter() - t_free
-    outs = jax.device_get(outs)
-    carried = jax.device_get(carried)
+    carried, outs, free_s = self._runner.decode(st, nb=nb, sv=sv, caps=caps, top_n=top_n)
     call_s = time.perf_counter() - t0
     self.stats["decode_seconds_total"] += call_s
     key = (nb, sv, ec.decode_steps, caps, top_n)
@@ -707,65 +564,9 @@ class Engine:
       self._recent_calls.append((key, call_s))
     for k, v in carried.items():
       st[k][:nb] = v
-    valid, toks, lps, routing = outs["valid"], outs["tokens"], outs["logprobs"], outs["routing"]
-    n_new = int(valid.sum())
+    n_new = int(outs["valid"].sum())
     self.stats["decode_calls_total"] += 1
     self.stats["generated_tokens_total"] += n_new
     with self._cv_lock:
       self._tok_window.append((time.monotonic(), n_new))
-    touched = {}
-    for slot in owned:
-      if owner[slot] is None:  # its request failed at an earlier slot of this loop
-        continue
-      h, s = owner[slot]
-      touched[id(h)] = h
-      try:
-        steps = np.nonzero(valid[:, slot])[0]
-        if len(steps):
-          self._emit(h, s, toks[steps, slot].tolist(), lps[steps, slot].tolist(),
-                     [routing[j, :, slot] if cfg.num_moe_layers else None for j in steps],
-                     version, [(outs["top_ids"][j, slot], outs["top_logprobs"][j, slot])
-                               for j in steps])
-        if owner[slot] is not None and not st["active"][slot]:
-          last = s.tokens[-1] if s.tokens else None
-          self._finish(slot, "stop" if last in h.stop_ids else "length")
-      except Exception as e:  # host-side handling of this request's tokens: fail it alone
-        self._fail_request(h, e)
-    for h in touched.values():
-      try:
-        self._flush_stream(h)
-      except Exception as e:
-        self._fail_request(h, e)
-
-  def _emit(self, h: RequestHandle, s: Sample, tokens, logprobs, routing, version=None,
-            top=None) -> None:
-    outputs.append(h, s, tokens, logprobs, routing, self.version if version is None else version,
-                   top)
-    if h.params.stop and s.slot is not None and self._sched.owner[s.slot] is not None:
-      if outputs.cut_at_stop_string(h, s, self.tokenizer):
-        self._finish(s.slot, "stop", text_done=True)
-
-  def _finish(self, slot: int, reason: str, text_done: bool = False) -> None:
-    h, s = self._sched.owner[slot]
-    s.finish_reason = reason
-    if not text_done and self.tokenizer is not None:
-      s.text = outputs.final_text(h, s, reason, self.tokenizer)
-    if self._prefix is not None:  # before the slot is reused: its KV is copied out first
-      self._prefix.insert_finished(h, s, slot)
-    self._free(slot)
-    self._maybe_complete(h)
-
-  def _maybe_complete(self, h: RequestHandle) -> None:
-    if all(s.finish_reason is not None for s in h.samples):
-      self._flush_stream(h)
-      self._complete(h)
-
-  def _flush_stream(self, h: RequestHandle) -> None:
-    outputs.flush_stream(h)
-
-  def _complete(self, h: RequestHandle) -> None:
-    if h.future.done():
-      return
-    out = outputs.completions(h, self.model_config, self.tokenizer)
-    self.stats["completions_total"] += len(out)
-    h.future.set_result(out)
+    self._flow.take_decode(owned, outs, version)

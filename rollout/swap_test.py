@@ -216,8 +216,9 @@ def test_after_nan_weights_and_a_nan_cache_good_weights_decode_like_a_clean_engi
     assert np.isnan(poisoned.logprobs).all()
     eng.swap_weights(good, 2)  # bad served weights do not block the swap that replaces them
     # And every entry of the cache NaN too (the engine thread is idle between requests).
-    eng._ck = tuple(jnp.full_like(c, jnp.nan) for c in eng._ck)  # pylint: disable=protected-access
-    eng._cv = tuple(jnp.full_like(c, jnp.nan) for c in eng._cv)  # pylint: disable=protected-access
+    runner = eng._runner  # pylint: disable=protected-access
+    runner.ck = tuple(jnp.full_like(c, jnp.nan) for c in runner.ck)
+    runner.cv = tuple(jnp.full_like(c, jnp.nan) for c in runner.cv)
     got = [_greedy(eng, p) for p in ((5, 17, 200, 3), (9,) * 11, (1, 2))]
   finally:
     eng.stop()

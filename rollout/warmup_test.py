@@ -203,7 +203,8 @@ def test_after_warm_up_varied_traffic_compiles_nothing(model, monkeypatch, bucke
 def _snapshot(engine: Engine) -> dict:
   """What a request can see of an engine: caches, prefix store, counters, random stream."""
   pr = engine._prefix  # pylint: disable=protected-access
-  return {"cache": [np.asarray(x) for x in (*engine._ck, *engine._cv)],  # pylint: disable=protected-access
+  runner = engine._runner  # pylint: disable=protected-access
+  return {"cache": [np.asarray(x) for x in (*runner.ck, *runner.cv)],
           "store": [np.asarray(x) for x in (*pr.store_k, *pr.store_v)],
           "blocks": len(pr.index),
           "metrics": {k: v for k, v in engine.metrics().items() if k != "tokens_per_second"},
