@@ -1,14 +1,16 @@
 """The sampling engine: continuous batching over fixed KV-cache slots, weight swaps in place.
 
 The engine is the serving thread, the weight swaps and the API; what runs where and with which
-shapes is `rollout.scheduler`'s, its device state and calls (weights, KV cache, prefix store)
-are `rollout.model_runner`'s, the per-slot tables they read
+shapes is `rollout.scheduler`'s, its device state and calls (weights, KV cache, prefix store, on
+one device or sharded over a mesh) are `rollout.model_runner`'s, the per-slot tables they read
 are `rollout.slot_tables`, handing tokens to requests and ending them is
 `rollout.request_flow`, and turning tokens into results (stop strings, streams, Completions) is
 `rollout.outputs`.
 
 What:
-  * `Engine(model, config=EngineConfig(...))` serves a `MoEDecoder` (or `Engine.from_flat`).
+  * `Engine(model, config=EngineConfig(...))` serves a `MoEDecoder` (or `Engine.from_flat`);
+    `mesh=` shards it over a mesh (tensor and expert parallel, `rollout.placement`), `device=`
+    puts it on one chosen device.
   * `engine.generate(prompt_token_ids, *, n, max_tokens, temperature, stop_token_ids, seed, ...)`
     -> list[Completion] (blocking, in-process entry point for the environments harness). A
     completion ended by a stop string keeps, in `token_ids`, every token up to and including the
@@ -38,7 +40,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import logging
 import threading
 import time
@@ -51,6 +52,7 @@ from moe.config import ModelConfig
 from rollout import delta_swap
 from rollout import forward
 from rollout import model_runner
+from rollout import placement as placement_lib
 from rollout import request_checks
 from rollout import request_flow
 from rollout import scheduler
@@ -68,22 +70,35 @@ log = logging.getLogger(__name__)
 
 
 class Engine:
-  """Continuous-batching sampler (see the module docstring)."""
+  """Continuous-batching sampler (see the module docstring).
+
+  Args (of both constructors):
+    config: serving settings.
+    tokenizer: for stop strings and completion text (None: token ids only).
+    version: the policy version of the first weights.
+    start: start the serving loop now.
+    mesh: a mesh of moe.sharding's axes to shard the model over (`rollout.placement`: tensor
+      and expert parallel; data and fsdp must be 1).
+    device: one device to run on. Neither: the default device.
+  """
 
   def __init__(self, model, *, config: EngineConfig = EngineConfig(), tokenizer=None,
-               version: int = 0, start: bool = True):
-    self._init(model.config, moe_params.flatten(model), config, tokenizer, version, start)
+               version: int = 0, start: bool = True, mesh=None, device=None):
+    self._init(model.config, moe_params.flatten(model), config, tokenizer, version, start,
+               placement_lib.Placement(model.config, mesh=mesh, device=device))
 
   @classmethod
   def from_flat(cls, flat: Mapping[str, np.ndarray], cfg: ModelConfig, *,
                 config: EngineConfig = EngineConfig(), tokenizer=None, version: int = 0,
-                start: bool = True) -> "Engine":
+                start: bool = True, mesh=None, device=None) -> "Engine":
     self = cls.__new__(cls)
-    self._init(cfg, dict(flat), config, tokenizer, version, start)
+    self._init(cfg, dict(flat), config, tokenizer, version, start,
+               placement_lib.Placement(cfg, mesh=mesh, device=device))
     return self
 
   # ------------------------------------------------------------------ setup
-  def _init(self, cfg: ModelConfig, flat, config: EngineConfig, tokenizer, version, start):
+  def _init(self, cfg: ModelConfig, flat, config: EngineConfig, tokenizer, version, start,
+            placement: placement_lib.Placement):
     ec = config
     max_len = ec.max_len or cfg.max_seq_len
     for name, v in (("max_slots", ec.max_slots), ("decode_steps", ec.decode_steps),
@@ -110,7 +125,7 @@ class Engine:
     self.tokenizer = tokenizer
     self._flat = flat
     self._flat_rms = None  # weight_checks.rms of _flat, measured once when a swap needs it
-    self._runner = model_runner.ModelRunner(cfg, ec, max_len, flat, blocks)
+    self._runner = model_runner.ModelRunner(cfg, ec, max_len, flat, placement, blocks)
     self.version = version
     self._prefix = self._runner.prefix
     self._slots = slot_tables.new_tables(ec.max_slots, ec.max_stop_ids)
@@ -143,6 +158,11 @@ class Engine:
   def running(self) -> bool:
     """Whether the serving loop runs (requests are accepted)."""
     return self._thread is not None and not self._stopping
+
+  @property
+  def placement(self) -> placement_lib.Placement:
+    """Where the engine's arrays live (its devices, its mesh)."""
+    return self._runner.placement
 
   def stop(self) -> None:
     """Stops the loop; waiting and running requests finish as "cancelled"."""
@@ -361,8 +381,11 @@ class Engine:
     """
     progs = self.programs()
     args = self._runner.warmup_args(self._slots)
-    compile_one = functools.partial(warmup.compile_program, cfg=self.model_config,
-                                    config=self.config, args=args)
+    context = self._runner.placement.context
+
+    def compile_one(p: warmup.Program) -> None:
+      with context():  # each compiling thread traces under the engine's mesh
+        warmup.compile_program(p, cfg=self.model_config, config=self.config, args=args)
     return warmup.compile_all(progs, compile_one, progress, threads, stop)
 
   def current_flat(self) -> dict:

@@ -16,6 +16,12 @@ expert FLOPs. Here
   * deterministic mode passes a single tier (dropless), so a row's arithmetic never depends on
     what else is in the batch (see rollout/README.md).
 
+On a mesh (an engine sharded by `rollout.placement`, traced under its `jax.set_mesh`) the same
+code runs partitioned: the fused matrices are in tensor groups (`rollout.packed_weights`), so
+attention is per tensor shard of heads; the routed experts go through moe's expert parallelism
+(`_sharded_experts`: all-to-all over the expert axis, dropless) instead of the tiers; logits are
+gathered whole before sampling.
+
 Numerics follow the model exactly in formula (float32 norms, router and softmax, the same RoPE, the
 k contributions summed in order in float32); only matmul blocking differs, which the agreement
 measurement in `rollout.agreement` quantifies.
@@ -26,9 +32,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from moe import expert_parallel
 from moe import layers as moe_layers
+from moe import sharding as moe_sharding
 from moe.config import ModelConfig
 from rollout import kv_cache
+from rollout import placement
 
 _NEG_INF = -1e30
 
@@ -51,10 +60,14 @@ def capacity_tiers(num_tokens: int, cfg: ModelConfig, factors, deterministic: bo
 
 
 def _dispatch(x, idx, gates, w_gu, w_d, cap: int):
-  """Capacity dispatch by gathers: x [N, D], idx/gates [N, k] -> [N, D] (float32 combine)."""
+  """Capacity dispatch by gathers: x [N, D], idx/gates [N, k] -> [N, D] (float32 combine).
+
+  w_gu: [E, D, G, 2 I / G] (gate and up side by side per tensor group, `rollout.packed_weights`),
+  w_d: [E, I, D].
+  """
   n, k = idx.shape
-  e, d = w_gu.shape[0], x.shape[-1]
-  inter = w_d.shape[1]
+  e, d, groups = w_gu.shape[0], x.shape[-1], w_gu.shape[2]
+  inter = w_d.shape[1] // groups
   flat = idx.reshape(-1)
   onehot = jax.nn.one_hot(flat, e, dtype=jnp.int32)
   rank = jnp.sum(jnp.cumsum(onehot, axis=0) * onehot, axis=-1) - 1  # order of arrival per expert
@@ -64,8 +77,8 @@ def _dispatch(x, idx, gates, w_gu, w_d, cap: int):
       jnp.arange(n * k, dtype=jnp.int32) // k, mode="drop")[: e * cap]
   xp = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])
   buf = xp[src].reshape(e, cap, d)
-  gu = jnp.einsum("ecd,edi->eci", buf, w_gu)
-  h = jax.nn.silu(gu[..., :inter]) * gu[..., inter:]
+  gu = jnp.einsum("ecd,edi->eci", buf, w_gu.reshape(e, d, -1)).reshape(e, cap, groups, -1)
+  h = (jax.nn.silu(gu[..., :inter]) * gu[..., inter:]).reshape(e, cap, -1)
   y = jnp.einsum("eci,eid->ecd", h, w_d).reshape(e * cap, d)
   y = jnp.concatenate([y, jnp.zeros((1, d), y.dtype)])[dest].reshape(n, k, d)
   w = jnp.where(keep.reshape(n, k), gates, 0.0).astype(jnp.float32)
@@ -88,9 +101,39 @@ def _route(x, lp, cfg: ModelConfig):
 
 
 def _swiglu(x, w_gu, w_d):
-  inter = w_d.shape[0]
-  gu = x @ w_gu
-  return (jax.nn.silu(gu[..., :inter]) * gu[..., inter:]) @ w_d
+  """SwiGLU on x [.., D] with w_gu [D, G, 2 I / G] (per tensor group: gate, up), w_d [I, D]."""
+  groups = w_gu.shape[1]
+  inter = w_d.shape[0] // groups
+  gu = (x @ w_gu.reshape(w_gu.shape[0], -1)).reshape(*x.shape[:-1], groups, 2 * inter)
+  return (jax.nn.silu(gu[..., :inter]) * gu[..., inter:]).reshape(*x.shape[:-1], -1) @ w_d
+
+
+def _split_gate_up(w_gu):
+  """[E, D, G, 2 I / G] -> (gate, up), each [E, D, I] in moe's expert layout (`moe.experts`)."""
+  e, d, groups, two = w_gu.shape
+  inter = two // 2
+  return (w_gu[..., :inter].reshape(e, d, groups * inter),
+          w_gu[..., inter:].reshape(e, d, groups * inter))
+
+
+def _sharded_experts(x, idx, gates, lp, mesh):
+  """Routed experts of a sharded engine: moe's expert parallelism over the active mesh.
+
+  An expert axis larger than one exchanges each token's k copies by all-to-all with the shards
+  holding their experts (`moe.expert_parallel.routed_experts`, dropless: "padded" on the CPU,
+  "ragged" on GPU/TPU); with only a tensor axis, every device runs its mlp columns of all
+  experts on all tokens and one psum adds them (`psum_experts`). Both are dropless, so no token
+  is dropped, as with the single-device tiers.
+  """
+  wg, wu = _split_gate_up(lp["experts_gu"])
+  local = expert_parallel.dropless_local_experts("auto", x.dtype)
+  if moe_sharding.axes_size(mesh, moe_sharding.mesh_axes("exp")) == 1:
+    return expert_parallel.psum_experts(x, idx, gates, wg, wu, lp["experts_d"],
+                                        local_experts=local)
+  return expert_parallel.routed_experts(
+      x, idx, gates, wg, wu, lp["experts_d"],
+      exchange=expert_parallel.choose_exchange(jax.default_backend(), None),
+      local_experts=local, dtype=x.dtype)
 
 
 def ffn(x, lp, cfg: ModelConfig, caps: tuple):
@@ -100,8 +143,11 @@ def ffn(x, lp, cfg: ModelConfig, caps: tuple):
   with jax.named_scope("router"):
     idx, gates = _route(x, lp, cfg)
   w_gu, w_d = lp["experts_gu"], lp["experts_d"]
+  mesh = placement.active_mesh()
   with jax.named_scope("experts"):
-    if len(caps) == 1:
+    if mesh is not None:
+      y = _sharded_experts(x, idx, gates, lp, mesh)
+    elif len(caps) == 1:
       y = _dispatch(x, idx, gates, w_gu, w_d, caps[0])
     else:
       counts = jnp.sum(jax.nn.one_hot(idx.reshape(-1), cfg.num_experts, dtype=jnp.int32), axis=0)
@@ -117,10 +163,13 @@ def _qkv(x, lp, cfg: ModelConfig, positions):
   """x [B, T, D] -> q [B, T, H, hd], k, v [B, T, KV, hd] (RoPE and QK-norm applied)."""
   h, kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
   b, t = x.shape[:2]
-  qkv = x @ lp["wqkv"]
-  q = qkv[..., : h * hd].reshape(b, t, h, hd)
-  k = qkv[..., h * hd:(h + kv) * hd].reshape(b, t, kv, hd)
-  v = qkv[..., (h + kv) * hd:].reshape(b, t, kv, hd)
+  w = lp["wqkv"]  # [D, G, (H + 2 KV) / G * hd]: per tensor group, its q, k and v heads
+  groups = w.shape[1]
+  qkv = (x @ w.reshape(w.shape[0], -1)).reshape(b, t, groups, -1)
+  hq, hk = h // groups * hd, kv // groups * hd
+  q = qkv[..., :hq].reshape(b, t, h, hd)
+  k = qkv[..., hq:hq + hk].reshape(b, t, kv, hd)
+  v = qkv[..., hq + hk:].reshape(b, t, kv, hd)
   if "q_norm" in lp:
     q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
     k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
@@ -131,8 +180,11 @@ def _qkv(x, lp, cfg: ModelConfig, positions):
 
 def _head(h, params, cfg: ModelConfig):
   head = params["head"]
-  return jnp.dot(h.astype(head.dtype), head, preferred_element_type=jnp.float32).astype(
+  logits = jnp.dot(h.astype(head.dtype), head, preferred_element_type=jnp.float32).astype(
       jnp.float32)
+  # Sharded over the vocabulary on a mesh: gathered whole, so sampling (sorts, cumulative sums
+  # over the vocabulary) runs replicated and exactly as on one device.
+  return placement.constrain(logits, (None, None))
 
 
 def decode_step(params, cfg: ModelConfig, tokens, positions, cache_k, cache_v, caps: tuple):

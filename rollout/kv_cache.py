@@ -37,13 +37,21 @@ import jax
 import jax.numpy as jnp
 
 from moe.config import ModelConfig
+from rollout import placement
 
 
-def allocate(cfg: ModelConfig, slots: int, length: int, dtype=jnp.float32) -> tuple:
-  """Zeroed per-layer slot caches (keys [slots, KV, hd, length], values [slots, KV, length, hd])."""
+def allocate(cfg: ModelConfig, slots: int, length: int, dtype=jnp.float32,
+             sharding=None) -> tuple:
+  """Zeroed per-layer slot caches (keys [slots, KV, hd, length], values [slots, KV, length, hd]).
+
+  `sharding`: where they live (`rollout.placement.Placement.cache_sharding`: on a mesh, split on
+  kv heads; each device allocates only its shard); None is the default device.
+  """
   kvh, hd = cfg.num_kv_heads, cfg.resolved_head_dim
-  return (tuple(jnp.zeros((slots, kvh, hd, length), dtype) for _ in range(cfg.num_layers)),
-          tuple(jnp.zeros((slots, kvh, length, hd), dtype) for _ in range(cfg.num_layers)))
+  return (tuple(jnp.zeros((slots, kvh, hd, length), dtype, device=sharding)
+                for _ in range(cfg.num_layers)),
+          tuple(jnp.zeros((slots, kvh, length, hd), dtype, device=sharding)
+                for _ in range(cfg.num_layers)))
 
 
 def write_prompts(cache_k, cache_v, ks, vs, dst_slot, src_row) -> tuple:
@@ -63,7 +71,7 @@ def write_prompts(cache_k, cache_v, ks, vs, dst_slot, src_row) -> tuple:
                   for c, k in zip(cache_k, ks))
   cache_v = tuple(c.at[dst_slot, :, :v.shape[2]].set(v[src_row].astype(c.dtype), mode="drop")
                   for c, v in zip(cache_v, vs))
-  return cache_k, cache_v
+  return keep_sharding(cache_k), keep_sharding(cache_v)
 
 
 def write_step(ck, cv, positions, k, v) -> tuple:
@@ -80,7 +88,7 @@ def write_step(ck, cv, positions, k, v) -> tuple:
   rows = jnp.arange(k.shape[0])
   ck = ck.at[rows, :, :, positions].set(k.astype(ck.dtype), mode="drop")
   cv = cv.at[rows, :, positions].set(v.astype(cv.dtype), mode="drop")
-  return ck, cv
+  return keep_sharding((ck,))[0], keep_sharding((cv,))[0]
 
 
 def _is_whole(cache_v, nb: int, sv: int) -> bool:
@@ -97,6 +105,17 @@ def window(cache_k, cache_v, nb: int, sv: int) -> tuple:
 def write_back(cache_k, cache_v, ck, cv) -> tuple:
   """Puts a `window` (ck, cv), updated, back into the full caches; returns the full caches."""
   if _is_whole(cache_v, cv[0].shape[0], cv[0].shape[2]):
-    return ck, cv
-  return (tuple(jax.lax.dynamic_update_slice(c, s, (0, 0, 0, 0)) for c, s in zip(cache_k, ck)),
-          tuple(jax.lax.dynamic_update_slice(c, s, (0, 0, 0, 0)) for c, s in zip(cache_v, cv)))
+    return keep_sharding(ck), keep_sharding(cv)
+  return (keep_sharding(tuple(jax.lax.dynamic_update_slice(c, s, (0, 0, 0, 0))
+                              for c, s in zip(cache_k, ck))),
+          keep_sharding(tuple(jax.lax.dynamic_update_slice(c, s, (0, 0, 0, 0))
+                              for c, s in zip(cache_v, cv))))
+
+
+def keep_sharding(caches: tuple) -> tuple:
+  """Per-layer caches (or prefix-store blocks) constrained to their sharding on the active mesh
+  (`rollout.placement.CACHE_AXES`; nothing on one device). Every program that writes a cache
+  ends with it, so the cache it returns is laid out as the one it was given (and donated):
+  otherwise the partitioner may pick another layout from the expert exchange's token split,
+  and the next call would see a new input sharding (a new compilation, a copy)."""
+  return tuple(placement.constrain(c, placement.CACHE_AXES) for c in caches)

@@ -2,10 +2,17 @@
 
 What: `pack(flat, cfg, dtype)` turns the flat weights (`moe.params.flatten` names) into a pytree
 laid out for the decode forward passes in `rollout.forward`:
-  * q, k and v are fused into one [D, (H + 2 KV) * head_dim] matrix and o is flattened to
+  * q, k and v are fused into one [D, G, (H + 2 KV) / G * head_dim] matrix and o is flattened to
     [H * head_dim, D], so attention needs two matmuls instead of four;
-  * each SwiGLU's gate and up are fused ([.., D, 2I]), so experts need two batched matmuls;
+  * each SwiGLU's gate and up are fused ([.., D, G, 2I / G]), so experts need two batched
+    matmuls;
   * the LM head is materialised as [D, V] (the embedding's transpose when tied).
+G is the number of tensor-parallel groups (`groups`, 1 on one device): group g holds heads
+[g H/G, (g+1) H/G), kv heads [g KV/G, (g+1) KV/G) and intermediate columns [g I/G, (g+1) I/G)
+of gate and up side by side. Split over a mesh's tensor axis on the G dimension
+(`rollout.placement`), each device then holds whole heads with their kv heads and matching gate
+and up columns, so attention and the SwiGLU product are local and only the output projections'
+sums cross devices. With G = 1 the layout is the fused one of a single device.
 
 Why a separate layout: on the CPU the sampler is bound by per-op overhead and matmul count, and the
 fused layout is ~20% faster per decode step. Packing is a pure function of the flat weights, so a
@@ -69,19 +76,48 @@ def validate(flat: Mapping[str, object], cfg: ModelConfig) -> None:
       raise ValueError(f"weight {name} has shape {got}, the served model needs {shape}")
 
 
-def pack(flat: Mapping[str, object], cfg: ModelConfig, dtype: Optional[str] = None) -> dict:
-  """Packs flat weights into the sampler layout (jax arrays on the default device).
+def check_groups(cfg: ModelConfig, groups: int) -> None:
+  """Raises ValueError unless `groups` tensor groups split every head and intermediate dim."""
+  if groups < 1:
+    raise ValueError(f"tensor groups must be >= 1, got {groups}")
+  dims = {"num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads}
+  if cfg.first_k_dense:
+    dims["intermediate_size"] = cfg.intermediate_size
+  if cfg.num_layers > cfg.first_k_dense:
+    dims["moe_intermediate_size"] = cfg.moe_intermediate_size
+    if cfg.num_shared_experts > 0:
+      dims["shared intermediate size"] = cfg.resolved_shared_intermediate_size
+  bad = {k: v for k, v in dims.items() if v % groups}
+  if bad:
+    raise ValueError(f"a tensor axis of {groups} must divide the heads and intermediate sizes; "
+                     f"it does not divide {bad}")
+
+
+def _grouped(parts, groups: int):
+  """[.., X_i] arrays side by side per group: [.., G, sum_i X_i / G] (group g: each part's g-th
+  slice of its last dim, in order)."""
+  split = [p.reshape(*p.shape[:-1], groups, p.shape[-1] // groups) for p in parts]
+  return np.concatenate(split, axis=-1)
+
+
+def pack_host(flat: Mapping[str, object], cfg: ModelConfig, dtype: Optional[str] = None,
+              groups: int = 1) -> dict:
+  """Packs flat weights into the sampler layout as host (numpy) arrays.
 
   Args:
     flat: {name: array} as produced by `moe.params.flatten` (numpy or jax arrays).
     cfg: the model's config.
     dtype: compute dtype of the packed weights; None keeps `cfg.dtype`. Norm scales and the
       router always stay float32 (the model computes them in float32).
+    groups: tensor-parallel groups G of the fused matrices (module docstring); must divide the
+      heads, kv heads and intermediate sizes.
 
   Returns:
-    A pytree of jax arrays (see the module docstring).
+    A pytree of numpy arrays (see the module docstring): `rollout.placement` puts it on the
+    engine's devices, each device receiving only its shards.
   """
   validate(flat, cfg)
+  check_groups(cfg, groups)
   dt = jnp.dtype(dtype or cfg.dtype)
   hdt = jnp.float32 if cfg.fp32_lm_head else dt
 
@@ -98,26 +134,32 @@ def pack(flat: Mapping[str, object], cfg: ModelConfig, dtype: Optional[str] = No
     layer = {
         "attn_norm": a(p + "attn_norm/scale", np.float32),
         "ffn_norm": a(p + "ffn_norm/scale", np.float32),
-        "wqkv": np.concatenate([a(p + "attn/q").reshape(d, -1), a(p + "attn/k").reshape(d, -1),
-                                a(p + "attn/v").reshape(d, -1)], axis=1),
+        "wqkv": _grouped([a(p + "attn/q").reshape(d, -1), a(p + "attn/k").reshape(d, -1),
+                          a(p + "attn/v").reshape(d, -1)], groups),
         "wo": a(p + "attn/o").reshape(-1, d),
     }
     if cfg.qk_norm:
       layer["q_norm"] = a(p + "attn/q_norm/scale", np.float32)
       layer["k_norm"] = a(p + "attn/k_norm/scale", np.float32)
     if li < cfg.first_k_dense:
-      layer["mlp_gu"] = np.concatenate([a(p + "ffn/gate"), a(p + "ffn/up")], axis=1)
+      layer["mlp_gu"] = _grouped([a(p + "ffn/gate"), a(p + "ffn/up")], groups)
       layer["mlp_d"] = a(p + "ffn/down")
     else:
       layer["router_w"] = a(p + "ffn/router/weight", np.float32)
       if cfg.router_type == "sigmoid":
         layer["router_b"] = a(p + "ffn/router/bias", np.float32)
-      layer["experts_gu"] = np.concatenate([a(p + "ffn/experts/gate"), a(p + "ffn/experts/up")],
-                                           axis=2)
+      layer["experts_gu"] = _grouped([a(p + "ffn/experts/gate"), a(p + "ffn/experts/up")],
+                                     groups)
       layer["experts_d"] = a(p + "ffn/experts/down")
       if cfg.num_shared_experts > 0:
-        layer["shared_gu"] = np.concatenate([a(p + "ffn/shared/gate"), a(p + "ffn/shared/up")],
-                                            axis=1)
+        layer["shared_gu"] = _grouped([a(p + "ffn/shared/gate"), a(p + "ffn/shared/up")],
+                                      groups)
         layer["shared_d"] = a(p + "ffn/shared/down")
     out["layers"].append(layer)
-  return jax.tree.map(jnp.asarray, out)
+  return out
+
+
+def pack(flat: Mapping[str, object], cfg: ModelConfig, dtype: Optional[str] = None) -> dict:
+  """`pack_host` with one group, as jax arrays on the default device (one-device users: tests,
+  tools; an engine places its weights through `rollout.placement`)."""
+  return jax.tree.map(jnp.asarray, pack_host(flat, cfg, dtype))

@@ -33,16 +33,21 @@ import jax.numpy as jnp
 
 from moe.config import ModelConfig
 from rollout import forward
+from rollout import kv_cache
 from rollout import sampling
 
 _NEG_INF = -1e30
 
 
-def allocate_store(cfg: ModelConfig, blocks: int, block_size: int, dtype=jnp.float32) -> tuple:
-  """Zeroed per-layer block stores: keys [N, KV, hd, B], values [N, KV, B, hd]."""
+def allocate_store(cfg: ModelConfig, blocks: int, block_size: int, dtype=jnp.float32,
+                   sharding=None) -> tuple:
+  """Zeroed per-layer block stores: keys [N, KV, hd, B], values [N, KV, B, hd]; `sharding` as
+  `rollout.kv_cache.allocate`'s (the store is split like the slot cache)."""
   kvh, hd = cfg.num_kv_heads, cfg.resolved_head_dim
-  return (tuple(jnp.zeros((blocks, kvh, hd, block_size), dtype) for _ in range(cfg.num_layers)),
-          tuple(jnp.zeros((blocks, kvh, block_size, hd), dtype) for _ in range(cfg.num_layers)))
+  return (tuple(jnp.zeros((blocks, kvh, hd, block_size), dtype, device=sharding)
+                for _ in range(cfg.num_layers)),
+          tuple(jnp.zeros((blocks, kvh, block_size, hd), dtype, device=sharding)
+                for _ in range(cfg.num_layers)))
 
 
 @functools.partial(jax.jit, donate_argnames=("store_k", "store_v"))
@@ -59,7 +64,7 @@ def save_blocks(store_k, store_v, cache_k, cache_v, slot, block_index, dst_block
                 for s, c in zip(store_k, cache_k))  # gathered [M, B, KV, hd] -> [M, KV, hd, B]
   new_v = tuple(s.at[dst_block].set(jnp.transpose(c[rows, :, pos, :], (0, 2, 1, 3)), mode="drop")
                 for s, c in zip(store_v, cache_v))  # gathered [M, B, KV, hd] -> [M, KV, B, hd]
-  return new_k, new_v
+  return kv_cache.keep_sharding(new_k), kv_cache.keep_sharding(new_v)
 
 
 def gather_context(store_k, store_v, table) -> tuple:
@@ -148,7 +153,7 @@ def _write_rows(cache_k, cache_v, ks, vs, dst_slot, src_row, positions) -> tuple
   cache_v = tuple(c.at[rows, :, positions].set(
       jnp.transpose(v[src_row], (0, 2, 1, 3)).astype(c.dtype), mode="drop")
                   for c, v in zip(cache_v, vs))
-  return cache_k, cache_v
+  return kv_cache.keep_sharding(cache_k), kv_cache.keep_sharding(cache_v)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "caps", "top_n"),

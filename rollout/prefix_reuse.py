@@ -59,7 +59,10 @@ def copy_batch(pending: int) -> int:
 class PrefixReuse:
   """The prefix cache of one engine (see the module docstring)."""
 
-  def __init__(self, cfg: ModelConfig, config: EngineConfig, max_len: int, dtype, blocks: int):
+  def __init__(self, cfg: ModelConfig, config: EngineConfig, max_len: int, dtype, blocks: int,
+               sharding=None):
+    """`sharding`: where the store lives (`rollout.placement.Placement.cache_sharding`; None:
+    the default device)."""
     self.cfg = cfg
     self.config = config
     self.max_len = max_len
@@ -67,8 +70,9 @@ class PrefixReuse:
     self.block_size = config.prefix_block_size
     self.index = prefix_cache.PrefixIndex(blocks, self.block_size)
     self._dtype = dtype
+    self._sharding = sharding
     self.store_k, self.store_v = prefix_programs.allocate_store(cfg, blocks, self.block_size,
-                                                                dtype)
+                                                                dtype, sharding)
     self.max_blocks = max(1, (max_len - 1) // self.block_size)  # a cached prefix is < max_len
     self.stats = self.index.stats
 
@@ -157,7 +161,7 @@ class PrefixReuse:
     self.index.clear(invalidation=False)
     if any(x.is_deleted() for x in (*self.store_k, *self.store_v)):
       self.store_k, self.store_v = prefix_programs.allocate_store(
-          self.cfg, self.blocks, self.block_size, self._dtype)
+          self.cfg, self.blocks, self.block_size, self._dtype, self._sharding)
 
   def metrics(self) -> dict:
     """The prefix cache's counters and gauges for `Engine.metrics()`."""
