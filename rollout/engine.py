@@ -10,7 +10,7 @@ are `rollout.slot_tables`, handing tokens to requests and ending them is
 What:
   * `Engine(model, config=EngineConfig(...))` serves a `MoEDecoder` (or `Engine.from_flat`);
     `mesh=` shards it over a mesh (tensor and expert parallel, `rollout.placement`), `device=`
-    puts it on one chosen device.
+    puts it on one chosen device (a replica's, `rollout.replicas`).
   * `engine.generate(prompt_token_ids, *, n, max_tokens, temperature, stop_token_ids, seed, ...)`
     -> list[Completion] (blocking, in-process entry point for the environments harness). A
     completion ended by a stop string keeps, in `token_ids`, every token up to and including the
@@ -164,6 +164,12 @@ class Engine:
     """Where the engine's arrays live (its devices, its mesh)."""
     return self._runner.placement
 
+  def load(self) -> int:
+    """Completions queued or running: how busy the engine is, for spreading requests over
+    replicas (`rollout.replicas`)."""
+    with self._cv_lock:
+      return self._sched.queued_completions + self._sched.num_running()
+
   def stop(self) -> None:
     """Stops the loop; waiting and running requests finish as "cancelled"."""
     with self._cv_lock:
@@ -257,25 +263,30 @@ class Engine:
     return self.submit(prompt_token_ids, params, timeout=timeout).result()
 
   def prepare_weights(self, flat: Mapping[str, np.ndarray], *,
-                      reference_rms: Optional[Mapping[str, float]] = None) -> "PreparedWeights":
+                      reference_rms: Optional[Mapping[str, float]] = None,
+                      checked_rms: Optional[Mapping[str, float]] = None) -> "PreparedWeights":
     """Validates, checks and packs weights for a later `swap_weights` (no effect on serving).
 
     Every swap path comes through here, so bad weights are refused before anything changes:
     names and shapes must match the served model, and `rollout.weight_checks` refuses
     non-finite values and tensors whose RMS is off the served one's by more than 100x.
     `reference_rms` ({name: RMS}) replaces the served weights as the scale reference (a delta
-    swap measures the held arrays before writing into them).
+    swap measures the held arrays before writing into them). `checked_rms`: `flat` passed the
+    checks already and these are its figures (a replica set checks once for all its engines,
+    `rollout.replicas`); only names and shapes are checked again, while packing.
 
     Raises:
       ValueError: naming the tensor and what is wrong with it.
     """
     t0 = time.perf_counter()
     flat = dict(flat)
-    if reference_rms is None:
-      reference_rms = self.served_rms()
-    new_rms = weight_checks.check(flat, self.model_config, reference_rms)
+    new_rms = checked_rms
+    if new_rms is None:
+      if reference_rms is None:
+        reference_rms = self.served_rms()
+      new_rms = weight_checks.check(flat, self.model_config, reference_rms)
     packed = self._runner.pack(flat)
-    return PreparedWeights(packed, flat, time.perf_counter() - t0, new_rms)
+    return PreparedWeights(packed, flat, time.perf_counter() - t0, dict(new_rms))
 
   def served_rms(self) -> dict:
     """{name: RMS} of the served weights (`rollout.weight_checks.rms`): the scale reference of

@@ -97,7 +97,8 @@ def load_tokenizer(directory: Optional[str], vocab_size: int):
 
 def load_engine(engine_config, *, hf_checkpoint: Optional[str] = None,
                 checkpoint: Optional[str] = None, config: Optional[ModelConfig] = None,
-                seed: int = 0, max_seq_len: Optional[int] = None):
+                seed: int = 0, max_seq_len: Optional[int] = None, replicas: int = 1,
+                expert: int = 1, tensor: int = 1, devices=None):
   """The started `rollout.engine.Engine` serving `load_model(...)`'s model, with the tokenizer
   of its checkpoint (`load_tokenizer`).
 
@@ -107,6 +108,10 @@ def load_engine(engine_config, *, hf_checkpoint: Optional[str] = None,
       checkpoint's config.json `eos_token_id`), else the tokenizer's end of sequence, ends a completion
       (ids outside the vocabulary dropped).
     hf_checkpoint / checkpoint / config / seed / max_seq_len: as `load_model`.
+    replicas, expert, tensor, devices: the layout (`rollout.replicas.build`): `replicas`
+      data-parallel engines (a `rollout.replicas.ReplicaSet`, which `rollout.server` serves like
+      one engine), each sharded over an (expert, tensor) mesh of its own devices. All 1 (the
+      default): one engine on the default device.
 
   Raises:
     ValueError: as `load_model`, or a checkpoint without a usable tokenizer
@@ -125,7 +130,12 @@ def load_engine(engine_config, *, hf_checkpoint: Optional[str] = None,
   if eos and not engine_config.eos_token_ids:
     engine_config = dataclasses.replace(
         engine_config, eos_token_ids=tuple(t for t in eos if t < model.config.vocab_size))
-  return Engine(model, config=engine_config, tokenizer=tok)
+  if replicas == expert == tensor == 1 and devices is None:
+    return Engine(model, config=engine_config, tokenizer=tok)
+  from rollout import replicas as replicas_lib  # pylint: disable=g-import-not-at-top
+  return replicas_lib.build(moe_params.flatten(model), model.config, replicas=replicas,
+                            expert=expert, tensor=tensor, devices=devices, config=engine_config,
+                            tokenizer=tok)
 
 
 def load_flat(path: str, cfg: ModelConfig) -> dict:

@@ -62,11 +62,22 @@ _METRICS = (
 
 
 def render(snapshot: dict, extra: dict | None = None) -> str:
-  """Prometheus text for an `Engine.metrics()` snapshot (+ extra {name: (type, help, value)})."""
+  """Prometheus text for an `Engine.metrics()` snapshot (+ extra {name: (type, help, value)}).
+
+  A replica set's snapshot (`rollout.replicas.ReplicaSet.metrics`) renders its combined figures
+  under the usual names and each replica's under `rollout_replica_*{replica="i"}`: families of
+  their own, so that summing a family never counts a replica twice.
+  """
   lines = []
   for key, name, kind, help_ in _METRICS:
     lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}",
               f"{name} {float(snapshot.get(key, 0)):g}"]
+  replicas = snapshot.get("replicas") or []
+  for key, name, kind, help_ in _METRICS if replicas else ():
+    family = "rollout_replica_" + name[len("rollout_"):]
+    lines += [f"# HELP {family} {help_} One series per replica.", f"# TYPE {family} {kind}"]
+    lines += [f'{family}{{replica="{i}"}} {float(r.get(key, 0)):g}'
+              for i, r in enumerate(replicas)]
   for name, (kind, help_, value) in (extra or {}).items():
     lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {float(value):g}"]
   return "\n".join(lines) + "\n"

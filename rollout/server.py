@@ -69,7 +69,9 @@ class Server:
                max_delta_bytes: Optional[int] = None, admin_allowed_hosts: Sequence[str] = (),
                warmup: bool = False, warmup_threads: int = 1):
     """Args:
-      engine: a started Engine (its tokenizer encodes text prompts and decodes completions).
+      engine: a started Engine, or a `rollout.replicas.ReplicaSet` of them (requests spread over
+        the replicas, swaps reach all, /metrics adds each replica's series); its tokenizer
+        encodes text prompts and decodes completions.
       model_name: reported by /v1/models and in responses.
       admin_token: the token admin requests must send as `Authorization: Bearer <token>`; None
         generates one (`self.admin.token`): the admin app never runs without a token.
