@@ -29,7 +29,7 @@ from moe import checkpoint as moe_checkpoint
 from moe.tokenizer import ByteTokenizer
 from rl import trajectory_io
 from rl.episodes import ValidationSpec
-from rollout.engine import Engine, EngineConfig, EngineStopped
+from rollout.engine import EngineConfig, EngineStopped
 from sync import publisher as publisher_lib
 from sync import store as store_lib
 from sync import subscriber as subscriber_lib
@@ -158,7 +158,8 @@ class RunResult:
 
 
 def run(*, learner, tasks: Sequence, pool, workdir: str, config: PipelineConfig, num_steps: int,
-        num_samplers: int = 1, engine_config: EngineConfig = EngineConfig(),
+        num_samplers: int = 1, sampler_replicas: int = 1,
+        engine_config: EngineConfig = EngineConfig(),
         reward_config=reward_lib.RewardConfig(), include_routing: bool = True,
         checkpoints=None, checkpoint_every: int = 0,
         on_step: Optional[Callable] = None, on_group: Optional[Callable] = None,
@@ -178,7 +179,9 @@ def run(*, learner, tasks: Sequence, pool, workdir: str, config: PipelineConfig,
     workdir: trajectories, weights and checkpoints go under it.
     config: PipelineConfig.
     num_steps: learner steps to run (counted from the learner's current step).
-    num_samplers: in-process sampling engines.
+    num_samplers: in-process samplers.
+    sampler_replicas: data-parallel engines per sampler, each on its own device
+      (`pipeline.samplers.build_engines`; needs num_samplers x sampler_replicas devices).
     engine_config: their settings.
     checkpoints / checkpoint_every: learner checkpointing (restored first if one exists).
     on_step(step, metrics, info) / on_group(GroupResult): progress callbacks.
@@ -227,8 +230,9 @@ def run(*, learner, tasks: Sequence, pool, workdir: str, config: PipelineConfig,
   # Samplers start from the newest published weights and follow the channel.
   flat0, v0 = publisher_lib.restore(channel.store)
   engines, subscribers, threads = [], [], []
-  for i in range(num_samplers):
-    eng = Engine.from_flat(flat0, cfg, config=engine_config, version=v0, tokenizer=tokenizer)
+  for i, eng in enumerate(samplers_lib.build_engines(
+      flat0, cfg, count=num_samplers, replicas=sampler_replicas, config=engine_config,
+      version=v0, tokenizer=tokenizer)):
     sub = subscriber_lib.Subscriber(channel.store, swap_into(eng))
     sub.adopt(flat0, v0, publisher_lib.read_manifest(channel.store, v0).digest)
     engines.append(eng)

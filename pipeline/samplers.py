@@ -1,7 +1,9 @@
 """The controller's view of the samplers: submit a request, learn each sampler's policy version,
 and route around samplers that fail.
 
-`EngineSampler` wraps an in-process `rollout.engine.Engine`; `HttpSampler` talks to a sampling
+`EngineSampler` wraps an in-process `rollout.engine.Engine` (or a `rollout.replicas.ReplicaSet`:
+one sampler made of data-parallel engines, which `build_engines` lays out over the devices);
+`HttpSampler` talks to a sampling
 server over its OpenAI-compatible HTTP API (the multi-process deployment) through the harness's
 completions client (`envs.harness.openai_policy`, the project's one). Both answer with the
 harness's `envs.harness.policy.Completion` (token ids, logprobs, versions, routing of the
@@ -30,10 +32,14 @@ import urllib.error
 import urllib.request
 from typing import Optional, Sequence
 
+import jax
+
 from envs.harness import inprocess_policy
 from envs.harness import openai_policy
+from moe.config import ModelConfig
 from moe.tokenizer import ByteTokenizer
-from rollout.engine import EngineStopped
+from rollout import replicas as replicas_lib
+from rollout.engine import Engine, EngineConfig, EngineStopped
 from rollout.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -48,8 +54,51 @@ class RequestRejected(ValueError):
   sampler would refuse too, so it is neither retried nor counted against the sampler."""
 
 
+def build_engines(flat, cfg: ModelConfig, *, count: int = 1, replicas: int = 1,
+                  expert: int = 1, tensor: int = 1, devices: Optional[Sequence] = None,
+                  config: EngineConfig = EngineConfig(), tokenizer=None,
+                  version: int = 0) -> list:
+  """The in-process samplers' engines: `count` samplers, each `replicas` data-parallel engines
+  (a `rollout.replicas.ReplicaSet`; an Engine when 1), each engine on `expert` x `tensor`
+  devices (a mesh sharding the model, `rollout.placement`; one device when 1 x 1).
+
+  Sampler i takes devices [i R E T, (i + 1) R E T) of `devices` (default: jax.local_devices();
+  pass `pipeline.resources.split_devices(...).sampler_devices` to keep the learner's devices
+  out). With one engine of one device per sampler and no `devices`, every engine runs on the
+  default device, as samplers sharing one device always have (the CPU pipeline and its tests).
+
+  A ReplicaSet is one sampler to the controller: one `EngineSampler`, one weight subscriber,
+  whose swaps reach all its replicas at the same version (`ReplicaSet.swap_weights`).
+
+  Raises:
+    ValueError: too few devices for the layout (naming how many it needs), or a mesh the model
+      cannot be sharded over.
+  """
+  if count < 1:
+    raise ValueError(f"count must be >= 1, got {count}")
+  kw = dict(config=config, tokenizer=tokenizer, version=version)
+  if replicas == 1 and expert * tensor == 1 and devices is None:
+    return [Engine.from_flat(flat, cfg, **kw) for _ in range(count)]
+  devices = list(jax.local_devices() if devices is None else devices)
+  need = count * replicas * expert * tensor
+  if need > len(devices):
+    raise ValueError(f"{count} samplers of {replicas} replicas of {expert * tensor} devices "
+                     f"need {need} devices, have {len(devices)}")
+  groups = replicas_lib.device_groups(devices, count, replicas * expert * tensor)
+  out = []
+  try:
+    for group in groups:
+      out.append(replicas_lib.build(flat, cfg, replicas=replicas, expert=expert, tensor=tensor,
+                                    devices=group, **kw))
+  except BaseException:
+    for e in out:
+      e.stop()
+    raise
+  return out
+
+
 class EngineSampler:
-  """An in-process engine; its completions become the harness's Completions."""
+  """An in-process engine (or replica set); its completions become the harness's Completions."""
 
   def __init__(self, engine, name: str = "sampler"):
     self.engine = engine
