@@ -6,7 +6,10 @@ One `Learner.train_step(batch)` is one jitted call (state donated) that
   2. takes `minibatches` optimizer steps, minibatch j being rows {i * minibatches + j}, each with
      gradients accumulated over `micro_batches` micro-batches.
 The same code runs single-process and multi-process (`jax.distributed`): every process passes the
-same global host batch and `place` hands each device its rows.
+same global host batch and `place` hands each device its rows. Across processes `train_step`
+first checks that they did (rl.distributed.batch_digest, one small all-gather): processes that
+read their batches from files on their own (the pipeline's learner) and disagreed would otherwise
+train one model on rows that no single batch holds, silently.
 
 `sampler_weights` returns what weight sync publishes to samplers: the current policy's flat
 weights (moe.params.flatten names) cast to the sampler dtype, and the policy version, gathered
@@ -35,6 +38,7 @@ from moe import params as params_lib
 from moe import sharding
 from moe.config import ModelConfig
 from moe.model import MoEDecoder
+from rl import distributed
 from rl import train_state as ts
 from rl import train_step as step_lib
 from rl.train_step import LossConfig
@@ -254,6 +258,8 @@ class Learner:
     time of the jitted step (the first call includes compilation); `tokens` counts trained ones.
     """
     self._check_batch(batch)
+    if not process_local and jax.process_count() > 1:
+      self._check_same_batch(batch)
     placed = self.place(batch, process_local)
     t0 = time.perf_counter()
     with jax.set_mesh(self.mesh):
@@ -276,6 +282,15 @@ class Learner:
     missing = [k for k in need if k not in batch]
     if missing:
       raise ValueError(f"batch lacks fields {missing}")
+
+  def _check_same_batch(self, batch: Mapping[str, np.ndarray]) -> None:
+    """Raises ValueError unless every process passed this same global batch."""
+    digests = multihost_utils.process_allgather(distributed.batch_digest(batch))
+    differ = distributed.mismatched_processes(list(np.asarray(digests)))
+    if differ:
+      raise ValueError(f"learner step {self.step + 1}: processes {differ} passed a different "
+                       "global batch than process 0; every process must pass the same batch "
+                       "(or its own rows with process_local=True)")
 
   # -- views of the state --------------------------------------------------------------------
   @property

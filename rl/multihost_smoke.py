@@ -22,21 +22,13 @@ import numpy as np
 
 from moe import sharding
 from moe.config import ModelConfig
+from rl import distributed
 from rl import learner as learner_lib
 from rl.train_state import OptimizerConfig
 
 SMOKE_CFG = ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2,
                         num_kv_heads=1, intermediate_size=64, moe_intermediate_size=32,
                         num_experts=4, num_experts_per_tok=2, max_seq_len=16)
-
-
-def initialize(coordinator: str, num_processes: int, process_id: int) -> None:
-  """jax.distributed set-up; CPU collectives go over gloo (no effect on accelerators).
-
-  Must run before anything initialises a JAX backend.
-  """
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
 
 
 def smoke_batches(steps: int, rows: int, length: int, vocab: int, seed: int = 0):
@@ -83,7 +75,7 @@ def main(argv=None) -> int:
   p.add_argument("--steps", type=int, default=4)
   args = p.parse_args(argv)
   if args.num_processes > 1:
-    initialize(f"127.0.0.1:{args.port}", args.num_processes, args.process_id)
+    distributed.initialize(f"127.0.0.1:{args.port}", args.num_processes, args.process_id)
   result = run(args.steps)
   print(json.dumps({"process_id": args.process_id, "process_count": jax.process_count(),
                     "devices": jax.device_count(), **result}))
