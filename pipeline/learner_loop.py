@@ -50,16 +50,22 @@ def publish_metrics(report) -> dict:
   when it has no delta: publish_delta 0); publish_raw_bytes: the published weights' bytes in
   the sampler's dtype; publish_ratio: their quotient; publish_snapshot: 1 if a full snapshot was
   written too (publish_snapshot_bytes); publish_s: the publish call's wall time.
+
+  A sharded publish (pipeline.sharded_weights.ShardedWeightChannel) reports this process's
+  blocks only; one whose blocks were stored whole (version 0) has no fetched byte count, so
+  publish_bytes and publish_ratio are left out rather than guessed.
   """
   if report is None:
     return {}
-  fetched = report.delta_bytes if report.delta_bytes is not None else report.snapshot_bytes
-  out = {"publish_bytes": int(fetched), "publish_raw_bytes": int(report.raw_bytes),
-         "publish_ratio": report.raw_bytes / max(1, fetched),
+  snapshot_bytes = getattr(report, "snapshot_bytes", None)
+  fetched = report.delta_bytes if report.delta_bytes is not None else snapshot_bytes
+  out = {"publish_raw_bytes": int(report.raw_bytes),
          "publish_delta": int(report.delta_bytes is not None),
          "publish_snapshot": int(bool(report.snapshot)), "publish_s": float(report.total_s)}
-  if report.snapshot:
-    out["publish_snapshot_bytes"] = int(report.snapshot_bytes)
+  if fetched is not None:  # a sharded process's share stored whole does not know its bytes
+    out.update(publish_bytes=int(fetched), publish_ratio=report.raw_bytes / max(1, fetched))
+  if report.snapshot and snapshot_bytes is not None:
+    out["publish_snapshot_bytes"] = int(snapshot_bytes)
   return out
 
 
@@ -77,8 +83,11 @@ class LearnerLoop:
   Args:
     learner: rl.learner.Learner (objective "policy").
     batcher: StepBatcher over the trajectory directory.
-    publish: publish(flat_weights, version) -> report; makes the new weights visible to samplers
+    publish: publish(weights, version) -> report; makes the new weights visible to samplers
       (e.g. a sync.publisher.Publisher wrapper).
+    weights_of: weights_of(learner) -> (weights, version), what `publish` takes (default: the
+      whole flat weights, `learner.sampler_weights()`; a sharded channel takes each process's
+      blocks, `learner.sampler_shards()`, so that no process gathers the model).
     published_version: callable returning the newest published version (None if none).
     hold: optional hold(flat_weights): called once the learner's weights are those of the newest
       published version (at start, or when a replay reaches it) so that a publisher which could
@@ -90,11 +99,13 @@ class LearnerLoop:
 
   def __init__(self, learner, batcher: StepBatcher, *, publish: Callable,
                published_version: Callable[[], Optional[int]],
+               weights_of: Optional[Callable] = None,
                hold: Optional[Callable[[dict], None]] = None, checkpoints=None,
                checkpoint_every: int = 0, on_step: Optional[Callable] = None):
     self.learner = learner
     self.batcher = batcher
     self.publish = publish
+    self.weights_of = weights_of or (lambda learner: learner.sampler_weights())
     self.published_version = published_version
     self.hold = hold
     self.checkpoints = checkpoints
@@ -132,8 +143,8 @@ class LearnerLoop:
     """Publishes the current weights as the next version (the initial weights at start);
     returns its `publish_metrics`."""
     t0 = time.perf_counter()
-    flat, version = self.learner.sampler_weights()
-    report = self.publish(flat, version)
+    weights, version = self.weights_of(self.learner)
+    report = self.publish(weights, version)
     self.publish_s += time.perf_counter() - t0
     out = publish_metrics(report)
     if out:

@@ -50,6 +50,11 @@ class WeightChannel:
                                              answer_requests_s=0.5)
     self.reports = []
 
+  @staticmethod
+  def weights_of(learner):
+    """What `publish` takes: the learner's whole flat weights and its policy version."""
+    return learner.sampler_weights()
+
   def latest(self) -> Optional[int]:
     return self.publisher.version
 
@@ -217,7 +222,8 @@ def run(*, learner, tasks: Sequence, pool, workdir: str, config: PipelineConfig,
   def make_loop(learner):
     batcher = StepBatcher(traj_dir, config=config, spec=spec, include_routing=include_routing)
     return LearnerLoop(learner, batcher, publish=channel.publish,
-                       published_version=channel.latest, hold=channel.hold,
+                       published_version=channel.latest, weights_of=channel.weights_of,
+                       hold=channel.hold,
                        checkpoints=checkpoints,
                        checkpoint_every=checkpoint_every, on_step=on_step)
 

@@ -272,8 +272,14 @@ def wait_for_weights(source, timeout_s: float = 600.0, name: Optional[str] = Non
 
   The subscriber readies the delta kernels as it is made, before the wait (from the on-disk
   kernel cache, sync.delta.jit), so a sampler's first delta costs what later ones do.
+
+  A sharded store (a learner of several processes publishes each version as blocks,
+  pipeline.sharded_weights) gives a pipeline.sharded_weights.ShardedFollower instead, with the
+  same `.weights`, `.version`, `.apply_fn`, `run` and `health_problem`: it moves every block to
+  the newest version and assembles whole tensors.
   """
-  from sync import publisher as publisher_lib  # pylint: disable=g-import-not-at-top
+  from pipeline import sharded_weights  # pylint: disable=g-import-not-at-top
+  from sync import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
   from sync import store as store_lib  # pylint: disable=g-import-not-at-top
   from sync import subscriber as subscriber_lib  # pylint: disable=g-import-not-at-top
   from sync import transport  # pylint: disable=g-import-not-at-top
@@ -283,10 +289,16 @@ def wait_for_weights(source, timeout_s: float = 600.0, name: Optional[str] = Non
   failed = None
   while True:
     try:
-      if publisher_lib.read_index(store).latest is not None:
+      version, sharded = sharded_weights.published(store)
+      if version is not None and sharded:
+        follower = sharded_weights.ShardedFollower(store, name=name)
+        follower.poll()
+        return store, follower
+      if version is not None:
         sub.restore()
         return store, sub
-    except (subscriber_lib.SyncError, transport.HttpError, OSError) as e:
+    except (subscriber_lib.SyncError, manifest_lib.ManifestError, transport.HttpError,
+            OSError) as e:
       if str(e) != failed:
         log.warning("no published weights can be restored yet (%s); retrying", e)
         failed = str(e)
@@ -352,13 +364,19 @@ def run_sampler(workdir: str, *, port: int, max_slots: int = 64, max_len: int = 
   `/health` answers 503 (naming the problem) when the weight-sync thread died or the served
   weights have been more than `stale_versions` behind the published ones for over `stale_s`
   seconds (sync.subscriber.Subscriber.health_problem).
+
+  The weights of a learner of several processes come as a sharded store (each process
+  publishes its blocks): the sampler then follows it block by block and serves whole tensors
+  (`wait_for_weights`, pipeline.sharded_weights.ShardedFollower), with the same health checks.
   """
+  from pipeline import sharded_weights  # pylint: disable=g-import-not-at-top
   from pipeline.local import swap_into  # pylint: disable=g-import-not-at-top
   from rollout import server  # pylint: disable=g-import-not-at-top
   from rollout.engine import Engine, EngineConfig  # pylint: disable=g-import-not-at-top
   tok = load_tokenizer(tokenizer_dir)  # a missing file fails before the wait for weights
   store, sub = wait_for_weights(weight_source(workdir, weight_urls), name=f"sampler-{port}")
-  cfg, info = _model_config_of(store, sub.version)
+  cfg, info = _model_config_of(store, sub.version,
+                               sharded=isinstance(sub, sharded_weights.ShardedFollower))
   check_tokenizer(tok, cfg, info.get("tokenizer"), part="sampler", tokenizer_dir=tokenizer_dir)
   tok = load_tokenizer(tokenizer_dir, cfg.vocab_size)  # now with the model's ids
   engine = Engine.from_flat(sub.weights, cfg, version=sub.version, tokenizer=tok,
@@ -378,11 +396,11 @@ def run_sampler(workdir: str, *, port: int, max_slots: int = 64, max_len: int = 
     engine.stop()
 
 
-def _model_config_of(store, version: int) -> tuple[ModelConfig, dict]:
-  """(model config, manifest info) of a published version."""
+def _model_config_of(store, version: int, sharded: bool = False) -> tuple[ModelConfig, dict]:
+  """(model config, manifest info) of a published version (of a sharded store: `sharded`)."""
   from moe import checkpoint as moe_checkpoint  # pylint: disable=g-import-not-at-top
-  from sync import publisher as publisher_lib  # pylint: disable=g-import-not-at-top
-  info = publisher_lib.read_manifest(store, version).info
+  from pipeline import sharded_weights  # pylint: disable=g-import-not-at-top
+  info = sharded_weights.manifest_info(store, version, sharded)
   if "model_config" not in info:
     raise ValueError("the published manifest carries no model_config")
   return moe_checkpoint.config_from_json(info["model_config"]), info
@@ -419,14 +437,14 @@ def run_controller(workdir: str, sampler_urls: Sequence[str], config: PipelineCo
   from pipeline.local import group_sink  # pylint: disable=g-import-not-at-top
   from rl import trajectory_io  # pylint: disable=g-import-not-at-top
   from envs.harness import agent_loop  # pylint: disable=g-import-not-at-top
-  from sync import publisher as publisher_lib  # pylint: disable=g-import-not-at-top
+  from pipeline import sharded_weights  # pylint: disable=g-import-not-at-top
   from sync import store as store_lib  # pylint: disable=g-import-not-at-top
   p = paths(workdir)
   tok = load_tokenizer(tokenizer_dir)
   store = store_lib.Store(p["weights"])
-  latest = publisher_lib.read_index(store).latest
+  latest, sharded = sharded_weights.published(store)
   if latest is not None:
-    cfg, info = _model_config_of(store, latest)
+    cfg, info = _model_config_of(store, latest, sharded)
     check_tokenizer(tok, cfg, info.get("tokenizer"), part="controller",
                     tokenizer_dir=tokenizer_dir)
     tok = load_tokenizer(tokenizer_dir, cfg.vocab_size)  # now with the model's ids
