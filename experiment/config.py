@@ -93,18 +93,22 @@ class RLConfig:
       staleness bound.
     learner: optimizer, policy loss, router replay (rl.learner.LearnerConfig, built by
       rl.learner.build_learner in-process and in the multi-process learner alike).
-    num_samplers: in-process sampling engines.
+    num_samplers: in-process samplers.
+    sampler_replicas: data-parallel engines per sampler, each on its own device of the
+      samplers' share (pipeline.samplers.build_engines): more rollouts per version where the
+      learner is sharded over its own devices; 1 keeps the sampler on the default device.
     sampler_slots: decode slots per engine.
   """
   steps: int = 60
   pipeline: PipelineConfig = PipelineConfig()
   learner: LearnerConfig = RL_LEARNER
   num_samplers: int = 1
+  sampler_replicas: int = 1
   sampler_slots: int = 64
 
   def __post_init__(self):
-    if self.steps < 0 or self.num_samplers < 1:
-      raise ValueError("RLConfig: need steps >= 0 and num_samplers >= 1")
+    if self.steps < 0 or self.num_samplers < 1 or self.sampler_replicas < 1:
+      raise ValueError("RLConfig: need steps >= 0, num_samplers >= 1 and sampler_replicas >= 1")
     if self.learner.loss.objective != "policy":
       raise ValueError(f"RLConfig: the learner's objective must be 'policy', got "
                        f"{self.learner.loss.objective!r}")

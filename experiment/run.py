@@ -269,6 +269,21 @@ def make_rl_learner(cfg: ExperimentConfig, model, mesh) -> learner_lib.Learner:
                                    max_staleness=cfg.rl.pipeline.max_staleness)
 
 
+def check_sampler_devices(cfg: ExperimentConfig, split: resources.ResourceSplit) -> None:
+  """Raises ValueError unless the samplers' engines fit the samplers' share of the devices.
+
+  Sampler replicas take one device each, the first of the machine (pipeline.samplers.
+  build_engines); more of them than the share holds would run on the learner's devices.
+  """
+  r = cfg.rl
+  need = r.num_samplers * r.sampler_replicas
+  if r.sampler_replicas > 1 and need > len(split.sampler_devices):
+    raise ValueError(f"{r.num_samplers} sampler(s) x {r.sampler_replicas} replicas need {need} "
+                     f"devices but the samplers' share is {len(split.sampler_devices)} "
+                     f"(ExperimentConfig.inference_fraction = {cfg.inference_fraction:.3g} of "
+                     f"{len(split.sampler_devices) + len(split.learner_devices)})")
+
+
 def eval_split(cfg: ExperimentConfig, tasks: Optional[Sequence] = None):
   """(all tasks, RL train tasks, evaluated tasks, their split's name).
 
@@ -361,6 +376,7 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
   # first of them); the learner's mesh is laid over the rest. One device: both share it.
   split = resources.split_devices(jax.devices(), cfg.inference_fraction)
   mesh = sharding.make_mesh(cfg.mesh_shape, devices=split.learner_devices)
+  check_sampler_devices(cfg, split)
   pool = pool_lib.WarmPool(size=cfg.sandbox_pool)
   timings = {}
   try:
@@ -467,6 +483,7 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
           learner=rl_learner, tasks=train, pool=pool,
           workdir=os.path.join(run_dir, "rl"),
           config=r.pipeline, num_steps=r.steps, num_samplers=r.num_samplers,
+          sampler_replicas=r.sampler_replicas,
           engine_config=_engine_config(cfg, r.sampler_slots, eos), on_step=on_step,
           on_group=on_group, loop_config=cfg.agent.loop_config(r.pipeline.max_new_tokens, chat),
           tokenizer=tok)

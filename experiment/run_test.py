@@ -19,6 +19,7 @@ from moe import build
 from moe import checkpoint as moe_checkpoint
 from moe import sharding
 from moe.config import ModelConfig
+from pipeline import resources
 from pipeline.config import PipelineConfig
 from rl.learner import LearnerConfig
 from rl.objectives import PolicyLossConfig
@@ -196,6 +197,25 @@ def test_rl_learner_takes_the_rl_settings():
   assert same.loss_cfg.max_staleness == PipelineConfig().max_staleness
   with pytest.raises(ValueError, match="objective must be 'policy'"):
     RLConfig(learner=LearnerConfig())
+
+
+def test_sampler_replicas_must_fit_the_samplers_share_of_the_devices():
+  """Each replica takes a device of the samplers' share (the machine's first devices); one more
+  would run on the learner's. 12 devices at the default 1/3: 4 for samplers, 8 for the learner."""
+  devices = list(range(12))
+  split = resources.split_devices(devices, 1 / 3)
+  assert (len(split.sampler_devices), len(split.learner_devices)) == (4, 8)
+  fits = ExperimentConfig(model=TINY, rl=RLConfig(num_samplers=2, sampler_replicas=2))
+  run_lib.check_sampler_devices(fits, split)
+  too_many = ExperimentConfig(model=TINY, rl=RLConfig(num_samplers=3, sampler_replicas=2))
+  with pytest.raises(ValueError, match=r"3 sampler\(s\) x 2 replicas need 6 devices but the "
+                     r"samplers' share is 4 \(ExperimentConfig.inference_fraction = 0.333 of 12\)"):
+    run_lib.check_sampler_devices(too_many, split)
+  # One engine per sampler on the default device, shared with the learner on a 1-device machine.
+  run_lib.check_sampler_devices(ExperimentConfig(model=TINY, rl=RLConfig(num_samplers=2)),
+                                resources.split_devices([0], 1 / 3))
+  with pytest.raises(ValueError, match="sampler_replicas >= 1"):
+    RLConfig(sampler_replicas=0)
 
 
 
