@@ -13,6 +13,11 @@ restarted: the learner restores its checkpoint, a sampler reloads the newest pub
 the controller resumes after the last group it wrote, and a relay's samplers hold their version
 until it is back (or read through the next relay they were given).
 
+The learner may itself be several processes (`jax.distributed`, one per host; `rl_part learner
+--num_processes=N --process_id=I --coordinator=HOST:PORT`) training one model on one mesh: they
+read the same records, checkpoint together and each publishes the weight blocks it holds; the
+samplers follow that sharded store (`run_learner`, pipeline/sharded_weights.py).
+
 Every part speaks the model's tokenizer (`tokenizer_dir`: a directory holding tokenizer.json, as
 a model directory the experiment wrote does; none means bytes). Parts that disagree would encode
 prompts in one vocabulary for a model of another, which samples garbage without any error, so
@@ -190,8 +195,19 @@ def run_learner(workdir: str, model_cfg: ModelConfig, config: PipelineConfig,
                 learner_config: LearnerConfig, *, steps: int,
                 init_checkpoint: Optional[str] = None, checkpoint_every: int = 1,
                 seed: int = 0, missing_timeout_s: float = 30.0,
-                tokenizer_dir: Optional[str] = None) -> int:
+                tokenizer_dir: Optional[str] = None,
+                mesh_shape: Sequence[int] = (1, 1, 1, 1)) -> int:
   """Trains until `steps` learner steps are done; returns the final step.
+
+  The learner's mesh is `mesh_shape` (data, fsdp, expert, tensor) over `jax.devices()`: this
+  process's devices, or, in a learner of several processes (`rl.distributed.initialize` first,
+  as `rl_part learner --num_processes=N` does), every process's. Each process then runs this
+  same function: each reads every step's records from the work directory and passes the same
+  global batch (the learner checks that they agree), they save and restore one checkpoint
+  together, and each publishes the weight blocks it holds
+  (pipeline.sharded_weights.ShardedWeightChannel; samplers follow the sharded store). One
+  process publishes whole versions (pipeline.local.WeightChannel). A work directory's store
+  holds one kind: restarting with another number of processes over it is refused.
 
   `tokenizer_dir`: where the model's tokenizer.json is (`load_tokenizer`); by default the one
   saved beside `init_checkpoint` if there is one, else bytes. It must fit the model's
@@ -206,10 +222,10 @@ def run_learner(workdir: str, model_cfg: ModelConfig, config: PipelineConfig,
   bound, the same call as the in-process experiment's (experiment.run.make_rl_learner), so a
   setting means the same in both.
   """
+  import jax  # pylint: disable=g-import-not-at-top
   from moe import checkpoint as moe_checkpoint  # pylint: disable=g-import-not-at-top
   from moe import sharding  # pylint: disable=g-import-not-at-top
   from pipeline.learner_loop import LearnerLoop  # pylint: disable=g-import-not-at-top
-  from pipeline.local import WeightChannel  # pylint: disable=g-import-not-at-top
   from pipeline.step_batches import StepBatcher  # pylint: disable=g-import-not-at-top
   from rl.checkpointing import CheckpointManager  # pylint: disable=g-import-not-at-top
   from rl import learner as learner_lib  # pylint: disable=g-import-not-at-top
@@ -230,22 +246,29 @@ def run_learner(workdir: str, model_cfg: ModelConfig, config: PipelineConfig,
   else:
     tok = tokenizer_lib.ByteTokenizer()
   check_tokenizer(tok, model_cfg, part="learner", tokenizer_dir=tokenizer_dir)
-  init = moe_checkpoint.load_model(init_checkpoint) if init_checkpoint else None
-  learner = learner_lib.build_learner(learner_config, model_cfg,
-                                      mesh=sharding.make_mesh((1, 1, 1, 1)), seed=seed,
+  mesh = sharding.make_mesh(mesh_shape, jax.devices())
+  # Restored straight onto the mesh: a process of a multi-process learner cannot hold, let
+  # alone place, arrays on the other processes' devices.
+  init = moe_checkpoint.load_model(init_checkpoint, mesh=mesh) if init_checkpoint else None
+  learner = learner_lib.build_learner(learner_config, model_cfg, mesh=mesh, seed=seed,
                                       init_model=init, max_staleness=config.max_staleness)
   spec = ValidationSpec(vocab_size=model_cfg.vocab_size, max_len=config.seq_len,
                         routing_shape=(model_cfg.num_moe_layers, model_cfg.num_experts_per_tok),
                         num_experts=model_cfg.num_experts, require_routing=True)
-  channel = WeightChannel(p["weights"], model_cfg=model_cfg)
+  channel, hold = _weight_channel(p["weights"], model_cfg)
   channel.model_info["tokenizer"] = tokenizer_info(tok)
   ckpt = CheckpointManager(p["checkpoints"], max_to_keep=2)
   batcher = StepBatcher(p["trajectories"], config=config, spec=spec,
                         missing_timeout_s=missing_timeout_s)
   loop = LearnerLoop(learner, batcher,
                      publish=channel.publish, published_version=channel.latest,
-                     hold=channel.hold, checkpoints=ckpt, checkpoint_every=checkpoint_every,
+                     weights_of=channel.weights_of, hold=hold, checkpoints=ckpt,
+                     checkpoint_every=checkpoint_every,
                      on_step=lambda s, m, i: print(step_line(s, m, i), flush=True))
+  if jax.process_count() > 1:
+    print(f"learner process {jax.process_index()} of {jax.process_count()}, mesh "
+          f"{dict(mesh.shape)} over {jax.device_count()} devices "
+          f"({jax.local_device_count()} here)", flush=True)
   if loop.restore():
     print(f"learner restored at step {learner.step}", flush=True)
   try:
@@ -255,6 +278,24 @@ def run_learner(workdir: str, model_cfg: ModelConfig, config: PipelineConfig,
     ckpt.close()
     print(summary_line(loop.batcher.stats, learner.step, loop.publish_totals()), flush=True)
   return learner.step
+
+
+def _weight_channel(url: str, model_cfg: ModelConfig):
+  """(channel, hold) of this learner process: the sharded channel in a learner of several
+  processes (every process publishes its blocks; no hold: no process has the whole weights to
+  offer), else the plain one with its hold (pipeline.local.WeightChannel.hold)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  from pipeline import sharded_weights  # pylint: disable=g-import-not-at-top
+  from pipeline.local import WeightChannel  # pylint: disable=g-import-not-at-top
+  if jax.process_count() > 1:
+    channel = sharded_weights.ShardedWeightChannel(
+        url, part=jax.process_index(), parts=jax.process_count(), model_cfg=model_cfg,
+        barrier=lambda: multihost_utils.sync_global_devices("sharded weights published"))
+    return channel, None
+  channel = WeightChannel(url, model_cfg=model_cfg)
+  sharded_weights.check_kind(channel.store, sharded=False)
+  return channel, channel.hold
 
 
 def wait_for_weights(source, timeout_s: float = 600.0, name: Optional[str] = None):

@@ -19,14 +19,10 @@ import subprocess
 import sys
 import textwrap
 
-import numpy as np
 import pytest
 
-from pipeline import episodes as episodes_lib
 from pipeline import processes
 from pipeline import testing
-from rl import trajectory_io
-from rollout.engine import Completion
 
 CFG = testing.config(max_staleness=0)
 STEPS = 4
@@ -34,29 +30,7 @@ TIMEOUT_S = 600  # per learner process; a learner that waits for data it will ne
 
 
 def _write_steps(traj_dir, steps, versions=None):
-  """The records of `steps` learner steps, one group per shard, as the controller writes them;
-  step s's tokens come from policy version versions[s] (default s)."""
-  w = trajectory_io.TrajectoryWriter(traj_dir, "controller-1", records_per_shard=CFG.attempts)
-  moe_layers, k = testing.MODEL.num_moe_layers, testing.MODEL.num_experts_per_tok
-  prompt = [256, 40, 41, 42, 43]
-  for s in range(steps):
-    v = s if versions is None else versions[s]
-    for g in range(CFG.prompts_per_step):
-      gid = f"g{s * CFG.prompts_per_step + g:06d}"
-      eps = []
-      for j in range(CFG.attempts):
-        n = 4 + j
-        comp = Completion(token_ids=[60 + (j + g) % 30] * n, logprobs=[-1.0] * n,
-                          routing=np.tile(np.arange(k, dtype=np.uint8), (moe_layers, n, 1)),
-                          policy_versions=[v] * n, finish_reason="stop",
-                          prompt_routing=np.zeros((moe_layers, len(prompt) - 1, k), np.uint8))
-        eps.append(episodes_lib.from_completion(
-            group_id=gid, episode_id=f"{gid}-a{j}", group_size=CFG.attempts, prompt_ids=prompt,
-            completion=comp, reward=float(j % 2)))
-      w.write_all(eps)
-      w.flush()
-  w.close()
-  return trajectory_io.list_shards(traj_dir)
+  return testing.write_steps(traj_dir, steps, CFG, versions)
 
 
 def _learner(work, log_path, *, faults=None, extra=""):

@@ -10,16 +10,20 @@ import sys
 import textwrap
 import time
 import urllib.request
-from typing import Optional
+from typing import Optional, Sequence
+
+import numpy as np
 
 from envs.tasks import suite_pyfunc
 from moe import sharding
 from moe.config import ModelConfig
+from pipeline import episodes as episodes_lib
 from pipeline.config import PipelineConfig
 from rl import learner as learner_lib
+from rl import trajectory_io
 from rl.train_state import OptimizerConfig
 from rl.train_step import LossConfig
-from rollout.engine import EngineConfig
+from rollout.engine import Completion, EngineConfig
 from sync import publisher as publisher_lib
 from sync import store as store_lib
 
@@ -47,6 +51,36 @@ def config(**kw) -> PipelineConfig:
 def learner(max_staleness: int = 1, seed: int = 0) -> learner_lib.Learner:
   return learner_lib.build_learner(LEARNER, MODEL, mesh=sharding.make_mesh((1, 1, 1, 1)),
                                    seed=seed, max_staleness=max_staleness)
+
+
+def write_steps(traj_dir: str, steps: int, cfg: PipelineConfig,
+                versions: Optional[Sequence[int]] = None) -> list[str]:
+  """The records of `steps` learner steps of MODEL, one group per shard, as the controller
+  writes them, so that learner tests decide everything but the records; step s's tokens come
+  from policy version versions[s] (default s). Returns the shard names in order."""
+  w = trajectory_io.TrajectoryWriter(traj_dir, "controller-1", records_per_shard=cfg.attempts)
+  moe_layers, k, experts = MODEL.num_moe_layers, MODEL.num_experts_per_tok, MODEL.num_experts
+  prompt = [256, 40, 41, 42, 43]
+  for s in range(steps):
+    v = s if versions is None else versions[s]
+    for g in range(cfg.prompts_per_step):
+      gid = f"g{s * cfg.prompts_per_step + g:06d}"
+      eps = []
+      for j in range(cfg.attempts):
+        n = 4 + j
+        # Token t of the completion went to experts t, t+1, ... (mod E): every expert is used.
+        routing = (np.arange(k)[None, None] + np.arange(n)[None, :, None]) % experts
+        comp = Completion(token_ids=[60 + (j + g) % 30] * n, logprobs=[-1.0] * n,
+                          routing=np.broadcast_to(routing, (moe_layers, n, k)).astype(np.uint8),
+                          policy_versions=[v] * n, finish_reason="stop",
+                          prompt_routing=np.zeros((moe_layers, len(prompt) - 1, k), np.uint8))
+        eps.append(episodes_lib.from_completion(
+            group_id=gid, episode_id=f"{gid}-a{j}", group_size=cfg.attempts, prompt_ids=prompt,
+            completion=comp, reward=float(j % 2)))
+      w.write_all(eps)
+      w.flush()
+  w.close()
+  return trajectory_io.list_shards(traj_dir)
 
 
 def published_weights(workdir: str, version: Optional[int] = None) -> tuple[dict, int]:

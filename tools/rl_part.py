@@ -22,6 +22,16 @@ part names it (all three the same; rl_part refuses to start on a mismatch):
   bazel run //tools:rl_part -- controller --workdir=/tmp/rl --samplers=http://127.0.0.1:8101 \
       --gin_file=tools/configs/experiments/agent.gin --tokenizer=RUN/pretrained_model
 
+A learner of several processes (`jax.distributed`, one command per process, e.g. one per host;
+on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N gives each process N devices)
+trains on the experiment's mesh (ExperimentConfig.mesh_shape) over all their devices, and
+each process publishes the weight blocks it holds; samplers follow that sharded store
+(pipeline/processes.py):
+  bazel run //tools:rl_part -- learner --workdir=/tmp/rl --num_processes=2 --process_id=0 \
+      --coordinator=HOST0:8476 --gin_file=tools/configs/experiments/sharded.gin
+  bazel run //tools:rl_part -- learner --workdir=/tmp/rl --num_processes=2 --process_id=1 \
+      --coordinator=HOST0:8476 --gin_file=tools/configs/experiments/sharded.gin
+
 `--tokenizer=DIR`: a directory holding tokenizer.json (a model directory); it must be there.
 Without the flag the learner takes the one saved beside `--init_checkpoint` (bytes if there is
 none) and the sampler and controller take bytes. A model a `--hf_checkpoint` run trained (its
@@ -61,12 +71,26 @@ def main(argv=None) -> int:
   p.add_argument("--tokenizer", default=None, metavar="DIR",
                  help="directory holding the model's tokenizer.json (default: the learner's "
                       "--init_checkpoint's if it has one, else bytes)")
+  p.add_argument("--num_processes", type=int, default=1,
+                 help="learner: the processes of one multi-process learner (jax.distributed)")
+  p.add_argument("--process_id", type=int, default=0, help="learner: this process's index")
+  p.add_argument("--coordinator", default="", metavar="HOST:PORT",
+                 help="learner: process 0's address, the same in every process")
   from tools import configs  # pylint: disable=g-import-not-at-top
   args, files, bindings = configs.parse_flags(p, sys.argv[1:] if argv is None else argv)
   logging.basicConfig(level=logging.WARNING)
+  if args.num_processes != 1 or args.process_id or args.coordinator:
+    if args.part != "learner":
+      p.error("--num_processes, --process_id and --coordinator are the learner's")
+    from rl import distributed  # pylint: disable=g-import-not-at-top
+    try:  # before anything starts a JAX backend (the config's device check does)
+      distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    except ValueError as e:
+      p.error(str(e))
   from pipeline import processes  # pylint: disable=g-import-not-at-top
+  files = files or [DEFAULT_EXPERIMENT]
   try:
-    cfg = configs.load_experiment(files or [DEFAULT_EXPERIMENT], bindings)
+    cfg = _load_experiment(configs, files, bindings, learner=args.part == "learner")
   except configs.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -78,13 +102,28 @@ def main(argv=None) -> int:
     return 2
 
 
+def _load_experiment(configs, files, bindings, *, learner: bool):
+  """The experiment, its mesh checked against the devices only for the learner: a part runs on
+  its own process's devices (all of them the learner's, none shared with samplers as in the
+  in-process run), and the mesh is the learner's alone."""
+  plans = [f for f in files if configs.is_plan_experiment(f)]
+  if plans:
+    raise configs.ConfigError(f"{plans[0]} is a plan-only experiment (a real-size run): plan "
+                              f"it with `bazel run //tools:plan -- --gin_file={plans[0]}`")
+  cfg = configs.load_experiment(files, bindings, check_devices=False)
+  if learner:
+    import jax  # pylint: disable=g-import-not-at-top
+    configs.validate_mesh(cfg.model, cfg.mesh_shape, jax.device_count())
+  return cfg
+
+
 def _run_part(parser: argparse.ArgumentParser, args, cfg, steps: int) -> int:
   """Runs the part `args.part` names with the experiment `cfg`; its exit status."""
   from pipeline import processes  # pylint: disable=g-import-not-at-top
   if args.part == "learner":
     processes.run_learner(args.workdir, cfg.model, cfg.rl.pipeline, cfg.rl.learner, steps=steps,
                           init_checkpoint=args.init_checkpoint, seed=cfg.seed,
-                          tokenizer_dir=args.tokenizer)
+                          tokenizer_dir=args.tokenizer, mesh_shape=cfg.mesh_shape)
   elif args.part in ("sampler", "relay"):
     port = args.port
     if not port:

@@ -73,5 +73,40 @@ def test_a_second_staleness_bound_is_refused(tmp_path):
                   "--gin.LossConfig.max_staleness=1"])
 
 
+def test_multi_process_flags_are_the_learners_and_checked(tmp_path, capsys):
+  """--num_processes/--process_id/--coordinator start jax.distributed for a learner only, and
+  bad values stop with a usage error before any JAX work (the real multi-process learner:
+  tools/rl_part_multihost_test.py)."""
+  for argv, message in [
+      (["sampler", "--num_processes=2", "--process_id=1", "--coordinator=127.0.0.1:1"],
+       "--num_processes, --process_id and --coordinator are the learner's"),
+      (["learner", "--num_processes=2", "--process_id=0"],
+       "2 processes need a coordinator address host:port"),
+      (["learner", "--num_processes=2", "--process_id=2", "--coordinator=127.0.0.1:1"],
+       "process_id 2 is not one of 2 processes")]:
+    with pytest.raises(SystemExit) as e:
+      rl_part.main([argv[0], f"--workdir={tmp_path}", *argv[1:]])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_learner_checks_its_mesh_against_its_devices_and_other_parts_do_not(tmp_path,
+                                                                               capsys):
+  """The learner trains on the experiment's mesh over this process's devices (all of them its
+  own, unlike the in-process run that shares them with samplers); the other parts ignore it."""
+  import jax  # pylint: disable=g-import-not-at-top
+  wide = ["ExperimentConfig.mesh_shape=(64, 1, 1, 1)", "PipelineConfig.batch_rows=64",
+          "PretrainConfig.batch_rows=64"]
+  assert rl_part.main(["learner", f"--workdir={tmp_path}", "--steps=0",
+                       *[f"--gin.{b}" for b in wide]]) == 2
+  assert (f"mesh_shape (data=64, fsdp=1, expert=1, tensor=1) needs 64 devices but "
+          f"{jax.device_count()}") in capsys.readouterr().err
+  cfg = rl_part._load_experiment(configs, [rl_part.DEFAULT_EXPERIMENT], wide, learner=False)
+  assert cfg.mesh_shape == (64, 1, 1, 1)
+  with pytest.raises(configs.ConfigError, match="plan-only experiment"):
+    rl_part._load_experiment(configs, ["tools/configs/experiments/moe_1b_plan.gin"], [],
+                             learner=True)
+
+
 if __name__ == "__main__":
   sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
