@@ -33,6 +33,14 @@ What it measures, all in one run on the same weights and prompts:
   (`--logprobs`: every request asks for that many alternatives, so both engines compute the
   top-k, and the ratio is the other buckets' cost alone).
 
+  `--only_replicas` runs instead: one engine against two data-parallel replicas
+  (`rollout.replicas`, each replica an engine like the one, on its own device) on the same
+  prompts, sent as one request each so that they spread over the replicas, both warm, the order
+  alternating: end-to-end tokens/s and the share each replica served. Needs two devices; on the
+  CPU:
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 .venv/bin/python -m tools.bench_sampler \
+        --only_replicas --batches=16,64 --new_tokens=128 --repeats=3
+
 Threads: transformers runs with 1 and with 2 torch threads (`torch.set_num_threads`) and keeps
 its better result; XLA's CPU client sizes its thread pool to the schedulable cores, recorded as
 `xla_threads` (this process's CPU affinity).
@@ -59,6 +67,7 @@ from moe import hf
 from moe import params as moe_params
 from moe.config import ModelConfig
 from rollout import agreement
+from rollout import replicas as replicas_lib
 from rollout import warmup
 from rollout.engine import Engine, EngineConfig
 from rollout.sampling import SamplingParams
@@ -230,6 +239,81 @@ def shape_bucket_markdown(rows: list) -> str:
         f"{r['end_to_end_ratio']:.3f} | {r['coarse_ttft_s']:.3f} / {r['fine_ttft_s']:.3f} | "
         f"{r['coarse_programs']} / {r['fine_programs']} | {r['same_greedy_tokens']:.0%} | "
         f"{r['loadavg_1m']:.1f} |")
+  return "\n".join(lines)
+
+
+def _spread_run(engine, prompts: np.ndarray, new_tokens: int) -> dict:
+  """Greedy completions of `prompts`, each its own request (`submit`, so a replica set spreads
+  them): end-to-end tokens/s, and the tokens."""
+  params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+  t0 = time.perf_counter()
+  handles = [engine.submit(p, params) for p in prompts.tolist()]
+  comps = [h.result()[0] for h in handles]
+  dt = time.perf_counter() - t0
+  return {"tokens_per_s": sum(len(c.token_ids) for c in comps) / dt, "latency_s": dt,
+          "tokens": np.asarray([c.token_ids for c in comps])}
+
+
+def replica_rows(model, base: dict, rng, batches, prompt_len, new_tokens, repeats,
+                 vocab) -> list:
+  """One engine against a set of two replicas (`rollout.replicas`), each replica configured as
+  the one engine and placed on its own device, on the same prompts: each runs the workload
+  twice untimed (compiling its shapes), then `repeats` timed runs each, the order alternating;
+  the best end-to-end tokens/s of each is kept, with the share of the requests each replica
+  served in the timed runs."""
+  devices = jax.devices()
+  if len(devices) < 2:
+    raise SystemExit("--only_replicas needs 2 devices; on the CPU run with "
+                     "XLA_FLAGS=--xla_force_host_platform_device_count=2")
+  flat = moe_params.flatten(model)
+  ec = EngineConfig(**base)
+  engines = {"one": Engine.from_flat(flat, model.config, config=ec, device=devices[0]),
+             "two": replicas_lib.build(flat, model.config, replicas=2, config=ec,
+                                       devices=devices[:2])}
+  rows = []
+  try:
+    for b in batches:
+      prompts = rng.integers(0, vocab, (b, prompt_len))
+      for eng in engines.values():
+        for _ in range(2):
+          _spread_run(eng, prompts, new_tokens)
+      runs = {name: [] for name in engines}
+      before = [e.stats["requests_total"] for e in engines["two"].engines]
+      with warmup.CompileCounter() as counter:  # the timed runs must compile nothing
+        for i in range(repeats):
+          for name in (("one", "two") if i % 2 == 0 else ("two", "one")):
+            runs[name].append(_spread_run(engines[name], prompts, new_tokens))
+      served = [e.stats["requests_total"] - n for e, n in zip(engines["two"].engines, before)]
+      best = {k: max(v, key=lambda r: r["tokens_per_s"]) for k, v in runs.items()}
+      row = {"batch": b, "one_tok_s": best["one"]["tokens_per_s"],
+             "two_tok_s": best["two"]["tokens_per_s"],
+             "ratio": best["two"]["tokens_per_s"] / best["one"]["tokens_per_s"],
+             "one_all_tok_s": [r["tokens_per_s"] for r in runs["one"]],
+             "two_all_tok_s": [r["tokens_per_s"] for r in runs["two"]],
+             "replica_share": [n / sum(served) for n in served],
+             "same_greedy_tokens": float(np.mean(
+                 (best["one"]["tokens"] == best["two"]["tokens"]).all(axis=1))),
+             "compiled_while_timed": counter.compiled, "loadavg_1m": os.getloadavg()[0],
+             "xla_threads": len(os.sched_getaffinity(0))}
+      rows.append(row)
+      print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}),
+            flush=True)
+  finally:
+    for e in engines.values():
+      e.stop()
+  return rows
+
+
+def replica_markdown(rows: list) -> str:
+  """`replica_rows` as the table of BENCHMARKS.md ("Sampler replicas")."""
+  lines = ["| batch (requests) | 1 engine tok/s | 2 replicas tok/s | ratio | requests per "
+           "replica | same greedy tokens | load avg |", "| --- | --- | --- | --- | --- | --- "
+           "| --- |"]
+  for r in rows:
+    share = " / ".join(f"{x:.0%}" for x in r["replica_share"])
+    lines.append(f"| {r['batch']} | {r['one_tok_s']:,.0f} | {r['two_tok_s']:,.0f} | "
+                 f"{r['ratio']:.2f}x | {share} | {r['same_greedy_tokens']:.0%} | "
+                 f"{r['loadavg_1m']:.1f} |")
   return "\n".join(lines)
 
 
@@ -430,6 +514,9 @@ def main(argv=None) -> int:
   p.add_argument("--only_shape_buckets", action="store_true",
                  help="only \"coarse\" against \"fine\" shape buckets (EngineConfig."
                       "shape_buckets): decode tokens/s, warm against warm")
+  p.add_argument("--only_replicas", action="store_true",
+                 help="only one engine against two data-parallel replicas (rollout.replicas): "
+                      "end-to-end tokens/s, warm against warm; needs 2 devices")
   p.add_argument("--logprobs", type=int, default=0,
                  help="with --only_shape_buckets: top logprobs each request asks for")
   p.add_argument("--length_bucket", type=int, default=32,
@@ -450,6 +537,18 @@ def main(argv=None) -> int:
   base = dict(max_slots=max(batches), max_len=max_len, decode_steps=args.decode_steps,
               length_bucket=lb)
   report["engine"] = base
+  if args.only_replicas:
+    del torch_model
+    report["replicas"] = replica_rows(model, base, np.random.default_rng(0), batches,
+                                      args.prompt_len, args.new_tokens, args.repeats,
+                                      cfg.vocab_size)
+    report["loadavg_end"] = os.getloadavg()
+    print(replica_markdown(report["replicas"]), flush=True)
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump(report, f, indent=1, default=lambda o: o.tolist() if hasattr(o, "tolist")
+                  else str(o))
+    return 0
   if args.only_shape_buckets:
     del torch_model
     report["shape_buckets"] = shape_bucket_rows(model, base, np.random.default_rng(0), batches,

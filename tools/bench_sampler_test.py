@@ -1,12 +1,18 @@
 """Smoke run of the sampler benchmark: it runs end to end, and its checks hold on a tiny model
-(greedy tokens equal transformers', logprobs agree with the learner's forward)."""
+(greedy tokens equal transformers', logprobs agree with the learner's forward). Two CPU devices,
+for the replicas run (the other runs use the default device alone)."""
 
-import json
-import sys
+import os
 
-import pytest
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=2")
 
-from tools import bench_sampler
+import json  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+
+from tools import bench_sampler  # noqa: E402
 
 
 def test_quick_run(tmp_path):
@@ -52,6 +58,21 @@ def test_shape_bucket_rows(tmp_path):
     assert r["decode_ratio"] == r["coarse_decode_tok_s"] / r["fine_decode_tok_s"]
     assert r["coarse_programs"] < r["fine_programs"]
     assert r["compiled_while_timed"] == 0
+
+
+def test_replica_rows(tmp_path):
+  """One engine and two replicas ran the same prompts warm; both replicas served requests."""
+  out = tmp_path / "r.json"
+  assert bench_sampler.main(["--quick", "--only_replicas", "--batches", "4", "--new_tokens", "8",
+                             "--prompt_len", "8", "--repeats", "2", "--decode_steps", "4",
+                             "--length_bucket", "16", "--json", str(out)]) == 0
+  (row,) = json.loads(out.read_text())["replicas"]
+  assert row["batch"] == 4 and len(row["one_all_tok_s"]) == len(row["two_all_tok_s"]) == 2
+  assert row["two_tok_s"] == max(row["two_all_tok_s"]) > 0
+  assert row["ratio"] == row["two_tok_s"] / row["one_tok_s"]
+  assert len(row["replica_share"]) == 2 and min(row["replica_share"]) > 0
+  assert sum(row["replica_share"]) == pytest.approx(1.0)
+  assert row["compiled_while_timed"] == 0 and row["same_greedy_tokens"] == 1.0
 
 
 if __name__ == "__main__":
