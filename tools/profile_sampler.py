@@ -121,7 +121,8 @@ def main(argv=None) -> int:
   slots["tok"][:] = np.random.default_rng(0).integers(0, cfg.vocab_size, args.batch)
   slots["temp"][:] = 0.0  # greedy
   caps = forward.capacity_tiers(args.batch, cfg, ec.capacity_factors, False)
-  params, ck, cv = engine._params, engine._ck, engine._cv  # pylint: disable=protected-access
+  runner = engine._runner  # pylint: disable=protected-access
+  params, ck, cv = runner.params, runner.ck, runner.cv
   static = dict(cfg=cfg, nb=args.batch, sv=args.cache_len, steps=args.steps, caps=caps, top_n=0)
 
   # One compilation, used for every call: the operation names in its HLO are the event names.
