@@ -10,8 +10,19 @@ and starts every job with:
   LAUNCH_EXPERIMENT_DIR where logs and status go
 
 So a sampler connects to `discovery.address_of("learner")` and the learner listens on
-`discovery.my_port()`, whatever executor started them. A file (not one env var per peer) keeps the
-environment small for large work units and lets any language read it.
+`discovery.my_port()` of `discovery.my_host()`, whatever executor started them. A file (not one
+env var per peer) keeps the environment small for large work units and lets any language read it.
+
+The executors fill the file differently, and jobs cannot tell them apart:
+  * local (launch.local) and xm_local (launch.xm_adapter): every job on this machine, its port
+    reserved before the work unit starts; the file never changes.
+  * Ray (launch.ray_executor): each job runs under its own Ray actor on whichever node the
+    placement group gave it; the actor reserves a port on its node, registers "host:port" with
+    the run's registry actor (a named actor, the one place addresses live) and keeps a
+    node-local copy of the registry's table in this file. A job restarted on another node (its
+    node died) registers its new address, and every other job's copy follows within a second,
+    so a caller that asks again (`address_of` reads the file on every call) reaches the new
+    one: a controller re-resolves a sampler that went down before probing it again.
 """
 
 from __future__ import annotations
@@ -94,5 +105,17 @@ def job_name(env: Optional[Mapping[str, str]] = None) -> str:
 
 
 def my_port(env: Optional[Mapping[str, str]] = None) -> int:
-  """The port reserved for this job (bind it on its host)."""
+  """The port reserved for this job (bind it on `my_host()`)."""
   return host_port_of(job_name(env), env)[1]
+
+
+def my_host(env: Optional[Mapping[str, str]] = None) -> str:
+  """The address peers reach this job at (127.0.0.1 locally, the node's IP on a cluster): the
+  host a server of this job binds, so that peers on other nodes can connect."""
+  return host_port_of(job_name(env), env)[0]
+
+
+def under_launcher(env: Optional[Mapping[str, str]] = None) -> bool:
+  """Whether a launcher started this process (its address map is there to ask)."""
+  env = os.environ if env is None else env
+  return bool(env.get(JOBS_JSON) and env.get(JOB_NAME))

@@ -51,6 +51,10 @@ class JobStatus:
   started_s: Optional[float] = None
   ended_s: Optional[float] = None
   port: Optional[int] = None
+  host: Optional[str] = None
+  service: bool = False
+  restarts: int = 0
+  node: Optional[str] = None
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)
@@ -121,7 +125,8 @@ class ExperimentRun:
       self.statuses.append({
           j.name: JobStatus(work_unit=i, name=j.name,
                             argv=commands[j.executable] + j.argv_args,
-                            log_path=os.path.join(exp_dir, f"wu{i}", f"{j.name}.log"))
+                            log_path=os.path.join(exp_dir, f"wu{i}", f"{j.name}.log"),
+                            service=j.service)
           for j in wu.jobs})
     self._procs: dict[tuple[int, str], _JobProcess] = {}
     self._next_wu = 0
@@ -141,6 +146,7 @@ class ExperimentRun:
     for j in wu.jobs:
       port = discovery.free_port(ex.host) if j.port else None
       self.statuses[i][j.name].port = port
+      self.statuses[i][j.name].host = ex.host
       table[j.name] = {"host": ex.host, "port": port}
     jobs_json = os.path.join(self.dir, f"wu{i}", "jobs.json")
     os.makedirs(os.path.dirname(jobs_json), exist_ok=True)
@@ -192,6 +198,17 @@ class ExperimentRun:
     """Stops running jobs (of `work_units`, default all): SIGTERM, then SIGKILL after grace_s."""
     victims = [p for (i, _), p in self._procs.items()
                if p.status.state == RUNNING and (work_units is None or i in work_units)]
+    self._stop_procs(victims, reason)
+    if work_units is None:
+      self._next_wu = len(self.experiment.work_units)  # start nothing more
+      for sts in self.statuses:
+        for st in sts.values():
+          if st.state == PENDING:
+            st.state = STOPPED
+      self._write_status()
+
+  def _stop_procs(self, victims: list, reason: str) -> None:
+    """SIGTERM to each of `victims`' groups, SIGKILL after grace_s; reaps them."""
     if not victims:
       return
     if reason:
@@ -210,13 +227,25 @@ class ExperimentRun:
     for p in victims:
       p.proc.wait()  # SIGKILL cannot be ignored; this returns as soon as it is delivered
     self._reap()
-    if work_units is None:
-      self._next_wu = len(self.experiment.work_units)  # start nothing more
-      for sts in self.statuses:
-        for st in sts.values():
-          if st.state == PENDING:
-            st.state = STOPPED
-      self._write_status()
+
+  def _stop_finished_services(self) -> None:
+    """Stops the service jobs (spec.Job.service) of work units whose other jobs all ended."""
+    for i, sts in enumerate(self.statuses):
+      main = [st for st in sts.values() if not st.service]
+      if any(st.state in (PENDING, RUNNING) for st in main):
+        continue
+      if any(st.service and st.state == RUNNING for st in sts.values()):
+        self.stop_services(i)
+
+  def stop_services(self, i: int) -> None:
+    """Stops work unit `i`'s running services; each counts as succeeded (it did its job)."""
+    victims = [p for (wu, _), p in self._procs.items()
+               if wu == i and p.status.service and p.status.state == RUNNING]
+    self._stop_procs(victims, f"the jobs of work unit {i} ended: stopping its services")
+    for p in victims:
+      if p.status.state == STOPPED:
+        p.status.state = SUCCEEDED
+    self._write_status()
 
   def interrupt(self, signum: int) -> None:
     """Called from a signal handler: wait() stops everything at its next poll."""
@@ -245,6 +274,7 @@ class ExperimentRun:
           self.stop({st.work_unit}, reason=f"{st.work_unit}/{st.name} failed")
         elif policy == "stop_experiment":
           self.stop(reason=f"{st.work_unit}/{st.name} failed")
+      self._stop_finished_services()
       self._fill()
       if self.done():
         return True
@@ -281,14 +311,25 @@ class ExperimentRun:
 
   def summary(self) -> str:
     """A table: work unit, job, state, exit code, log."""
-    rows = [("wu", "job", "state", "exit", "log")]
-    for sts in self.statuses:
-      for st in sts.values():
-        rows.append((str(st.work_unit), st.name, st.state,
-                     "" if st.returncode is None else str(st.returncode),
-                     os.path.relpath(st.log_path, self.dir)))
-    widths = [max(len(r[c]) for r in rows) for c in range(5)]
-    return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows)
+    with open(os.path.join(self.dir, "status.json"), encoding="utf-8") as f:
+      return status_table(json.load(f))
+
+
+def status_table(doc: dict) -> str:
+  """A status.json document (either executor's) as a table: work unit, job, state, exit code,
+  restarts, where it runs (host:port, node) and its log relative to the experiment directory."""
+  rows = [("wu", "job", "state", "exit", "restarts", "address", "log")]
+  for wu in doc["work_units"]:
+    for name, st in wu["jobs"].items():
+      addr = f"{st.get('host') or ''}:{st['port']}" if st.get("port") else ""
+      if st.get("node"):
+        addr = f"{addr} node {st['node'][:8]}".strip()
+      rows.append((str(wu["index"]), name, st["state"],
+                   "" if st.get("returncode") is None else str(st["returncode"]),
+                   str(st.get("restarts", 0)), addr,
+                   os.path.relpath(st["log_path"], doc["dir"])))
+  widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+  return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows)
 
 
 def _jsonable(x: Any) -> Any:

@@ -2,7 +2,8 @@
 
 Covers logs (per-job files and prefixed streaming), status and exit codes, the failure policy
 (a failing job stops its work unit), SIGINT stopping every process group with no process left,
-and a 2x2 sweep running 4 work units with the right args.
+a 2x2 sweep running 4 work units with the right args, and services (a server that runs until
+stopped) stopped, as succeeded, once the other jobs of their work unit ended.
 """
 
 import io
@@ -191,6 +192,17 @@ def test_missing_program_and_missing_module(tmp_path):
   assert run.statuses[0]["ghost"].state == "failed"
   with pytest.raises(targets.TargetError, match="does not exist"):
     _executor(tmp_path).launch(spec.sweep("x", [spec.Job("a", spec.BazelBinary("//nope:gone"))]))
+
+
+def test_services_stop_when_the_other_jobs_ended(tmp_path):
+  jobs = [spec.Job("server", SERVER, args={"clients": 10**6}, service=True),
+          spec.Job("client_0", CLIENT, args={"message": "hi"})]
+  run = _executor(tmp_path).launch(spec.Experiment("svc", (spec.WorkUnit(tuple(jobs)),)))
+  _wait_or_stop(run)
+  assert run.succeeded(), run.summary()
+  st = run.statuses[0]["server"]
+  assert st.state == local.SUCCEEDED and st.returncode == -signal.SIGTERM
+  assert not waiting.pid_alive(st.pid)
 
 
 if __name__ == "__main__":

@@ -104,6 +104,39 @@ def render_args(args: Union[Mapping[str, Any], Sequence[str]]) -> list[str]:
 
 
 @dataclasses.dataclass(frozen=True)
+class Resources:
+  """What one job needs of a machine, as a cluster executor (launch.ray_executor) places it.
+
+  The local executor runs every job on this machine and does not check them; the Ray executor
+  reserves them per job in one placement group, so a part lands only on a node that has them.
+
+  Attributes:
+    num_cpus: logical CPUs.
+    num_gpus: GPUs (the job sees only its own: CUDA_VISIBLE_DEVICES).
+    memory: bytes of memory.
+    custom: other named resources (a node's "TPU", or a label such as {"sampler_host": 1}).
+  """
+  num_cpus: float = 1.0
+  num_gpus: float = 0.0
+  memory: int = 0
+  custom: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    amounts = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "memory": self.memory,
+               **dict(self.custom)}
+    for k, v in amounts.items():
+      if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+        raise SpecError(f"resource {k!r} must be a number >= 0, got {v!r}")
+    if not any(amounts.values()):
+      raise SpecError("a job must need some resource (a placement group bundle cannot be empty)")
+
+  def bundle(self) -> dict:
+    """The job's placement group bundle ({"CPU": 1, "GPU": 0.5, "memory": ..., custom...})."""
+    out = {"CPU": self.num_cpus, "GPU": self.num_gpus, "memory": self.memory, **self.custom}
+    return {k: v for k, v in out.items() if v}
+
+
+@dataclasses.dataclass(frozen=True)
 class Job:
   """One named process of a work unit.
 
@@ -113,12 +146,24 @@ class Job:
     args: a mapping (rendered `--key=value`) or a sequence of argv strings.
     env: extra environment variables.
     port: whether the executor reserves a TCP port for this job (published to peers).
+    resources: what the job needs of its machine (used by cluster executors).
+    max_restarts: times a cluster executor starts the job again after it failed or its node
+      died (0: a failure is final, as under the local executor).
+    gang: jobs of one gang are restarted together (the processes of one jax.distributed
+      learner: one cannot rejoin the others' runtime alone).
+    service: the job serves the others (a sampler, a relay) and runs until stopped: once every
+      job of its work unit that is not a service has ended, the executor stops it, and a
+      service stopped so counts as succeeded.
   """
   name: str
   executable: Executable
   args: Union[Mapping[str, Any], Sequence[str]] = ()
   env: Mapping[str, str] = dataclasses.field(default_factory=dict)
   port: bool = True
+  resources: Resources = dataclasses.field(default_factory=Resources)
+  max_restarts: int = 0
+  gang: Optional[str] = None
+  service: bool = False
 
   def __post_init__(self):
     if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
@@ -127,6 +172,11 @@ class Job:
       raise SpecError(f"job {self.name!r}: executable must be BazelBinary, PyModule or Command, "
                       f"got {self.executable!r}")
     render_args(self.args)
+    if not isinstance(self.resources, Resources):
+      raise SpecError(f"job {self.name!r}: resources must be a Resources, got {self.resources!r}")
+    if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or \
+        self.max_restarts < 0:
+      raise SpecError(f"job {self.name!r}: max_restarts must be an int >= 0")
     for k, v in dict(self.env).items():
       if not isinstance(k, str) or not isinstance(v, str):
         raise SpecError(f"job {self.name!r}: env must map strings to strings ({k!r}={v!r})")

@@ -48,6 +48,20 @@ def test_job_and_work_unit_validation():
     spec.Experiment("bad/name", (spec.WorkUnit(jobs=(spec.Job("a", exe),)),))
 
 
+def test_resources_are_a_placement_bundle_and_checked():
+  res = spec.Resources(num_cpus=2, num_gpus=0.5, memory=1 << 30, custom={"sampler_host": 1})
+  assert res.bundle() == {"CPU": 2, "GPU": 0.5, "memory": 1 << 30, "sampler_host": 1}
+  assert spec.Resources(num_cpus=0, custom={"TPU": 4}).bundle() == {"TPU": 4}
+  with pytest.raises(spec.SpecError, match="cannot be empty"):
+    spec.Resources(num_cpus=0)
+  with pytest.raises(spec.SpecError, match=">= 0"):
+    spec.Resources(num_gpus=-1)
+  with pytest.raises(spec.SpecError, match="max_restarts"):
+    spec.Job("x", spec.PyModule("a.b"), max_restarts=-1)
+  with pytest.raises(spec.SpecError, match="Resources"):
+    spec.Job("x", spec.PyModule("a.b"), resources={"CPU": 1})
+
+
 def test_grid_and_sweep_2x2():
   points = spec.grid({"learner.lr": [1e-4, 3e-4], "seed": [0, 1]})
   assert points == [{"learner.lr": 1e-4, "seed": 0}, {"learner.lr": 1e-4, "seed": 1},

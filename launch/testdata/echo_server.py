@@ -1,4 +1,8 @@
-"""Test job: serves `--clients` echo requests on the port the launcher reserved, then exits."""
+"""Test job: serves `--clients` echo requests on the port the launcher reserved, then exits.
+
+It binds the host the launcher registered for it (127.0.0.1 locally, the node's address under
+Ray), so peers on other nodes reach it.
+"""
 
 import argparse
 import socket
@@ -14,7 +18,7 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind(("127.0.0.1", discovery.my_port()))
+    s.bind((discovery.my_host(), discovery.my_port()))
     s.listen()
     print(f"{discovery.job_name()} listening on {discovery.my_port()}", flush=True)
     for _ in range(args.clients):
