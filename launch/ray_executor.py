@@ -121,16 +121,21 @@ class _JobLaunch:
   experiment: str
   experiment_dir: str
   params: dict
+  registry: str   # the registry actor's name ...
+  namespace: str  # ... in the run's namespace
 
 
 class _JobActor:
   """Runs one job's program on its node (see the module docstring)."""
 
-  def __init__(self, job: _JobLaunch, registry: Any):
+  def __init__(self, job: _JobLaunch):
     import ray  # pylint: disable=g-import-not-at-top
     self._ray = ray
     self.job = job
-    self.registry = registry
+    # Looked up by name, not passed as a handle: a restarted actor's arguments must be plain
+    # values (Ray keeps an argument holding a handle in the object store, which a restart
+    # on another node may not find).
+    self.registry = registry = ray.get_actor(job.registry, namespace=job.namespace)
     self.host = ray.util.get_node_ip_address()
     self.port = discovery.free_port(self.host) if job.want_port else None
     self.node = ray.get_runtime_context().get_node_id()
@@ -297,18 +302,20 @@ class RayRun:
           scheduling_strategy=NodeAffinitySchedulingStrategy(
               ray.get_runtime_context().get_node_id(), soft=False)).remote()
       self._registries.append(registry)
+      ray.get(registry.table.remote(), timeout=ex.placement_timeout_s)  # up before its users
       for k, (name, t) in enumerate(jobs.items()):
         launch = _JobLaunch(name=name, work_unit=i, argv=tuple(t.status.argv), env=dict(t.job.env),
                             cwd=ex.repo_root, log_path=t.status.log_path, want_port=t.job.port,
                             experiment=self.experiment.name, experiment_dir=self.dir,
-                            params=_jsonable(wu.params))
+                            params=_jsonable(wu.params), registry=f"registry-wu{i}",
+                            namespace=self.namespace)
         res = t.job.resources
         t.actor = actor_cls.options(
             num_cpus=res.num_cpus, num_gpus=res.num_gpus, memory=res.memory or None,
             resources=dict(res.custom) or None, max_restarts=t.job.max_restarts,
             max_task_retries=0, name=f"wu{i}-{name}", namespace=self.namespace,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
-                pg, placement_group_bundle_index=k)).remote(launch, registry)
+                pg, placement_group_bundle_index=k)).remote(launch)
       for name, where in zip(jobs, ray.get([t.actor.ready.remote() for t in jobs.values()],
                                            timeout=ex.placement_timeout_s)):
         self._note_where(jobs[name], where)

@@ -132,7 +132,7 @@ def test_failed_jobs_restart_with_their_gang_until_restarts_run_out(cluster, tmp
   unit0 = spec.WorkUnit((
       spec.Job("a", FLAKY, args={"starts_file": str(a), "fail_times": 1, "run_s": 1},
                resources=res, max_restarts=1, gang="g"),
-      spec.Job("b", FLAKY, args={"starts_file": str(b), "run_s": 3}, resources=res,
+      spec.Job("b", FLAKY, args={"starts_file": str(b), "run_s": 8}, resources=res,
                max_restarts=1, gang="g")))
   unit1 = spec.WorkUnit((
       spec.Job("c", FLAKY, args={"starts_file": str(c), "fail_times": 5, "run_s": 0.5},

@@ -44,7 +44,7 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from moe.config import ModelConfig
 from moe.tokenizer import TokenizerError
@@ -361,7 +361,8 @@ def weight_source(workdir: str, weight_urls: Optional[Sequence[str]] = None):
 
 
 def run_relay(workdir: str, *, port: int, upstream: Optional[Sequence[str]] = None,
-              cache_bytes: int = 8 << 30, stop: Optional[threading.Event] = None) -> None:
+              cache_bytes: int = 8 << 30, stop: Optional[threading.Event] = None,
+              host: str = "127.0.0.1") -> None:
   """Serves the published weights to samplers over HTTP (sync.relay; blocking until `stop`).
 
   Without `upstream` it reads the work directory's store itself (an origin relay, beside the
@@ -375,7 +376,8 @@ def run_relay(workdir: str, *, port: int, upstream: Optional[Sequence[str]] = No
   from sync import relay as relay_lib  # pylint: disable=g-import-not-at-top
   from sync import store as store_lib  # pylint: disable=g-import-not-at-top
   up = list(upstream) if upstream else store_lib.Store(paths(workdir)["weights"])
-  server = relay_lib.RelayServer(relay_lib.Relay(up, cache_bytes=cache_bytes), port=port)
+  server = relay_lib.RelayServer(relay_lib.Relay(up, cache_bytes=cache_bytes), host=host,
+                                 port=port)
   url = server.start()
   print(f"relay serving {'relays ' + ', '.join(up) if upstream else 'the weight store'} on "
         f"{url}", flush=True)
@@ -388,8 +390,10 @@ def run_relay(workdir: str, *, port: int, upstream: Optional[Sequence[str]] = No
 def run_sampler(workdir: str, *, port: int, max_slots: int = 64, max_len: int = 256,
                 sync_interval_s: float = 0.05, stale_versions: int = 2,
                 stale_s: float = 60.0, tokenizer_dir: Optional[str] = None,
-                weight_urls: Optional[Sequence[str]] = None) -> None:
-  """Serves the newest published weights over HTTP and follows new versions (blocking).
+                weight_urls: Optional[Sequence[str]] = None, host: str = "127.0.0.1") -> None:
+  """Serves the newest published weights over HTTP on `host`:`port` and follows new versions
+  (blocking). `host`: the address to bind, the one peers reach it at (a cluster node's own
+  address when the controller runs on another node).
 
   It starts on the newest version it can restore (`wait_for_weights`: around a damaged delta,
   asking the learner for a snapshot) and follows from there, reading the weights from the work
@@ -431,7 +435,7 @@ def run_sampler(workdir: str, *, port: int, max_slots: int = 64, max_len: int = 
   def weight_sync():
     return sub.health_problem(max_behind_versions=stale_versions, max_stale_s=stale_s)
   try:
-    server.serve(engine, port=port, health_checks=[weight_sync])
+    server.serve(engine, host=host, port=port, health_checks=[weight_sync])
   finally:
     stop.set()
     engine.stop()
@@ -450,7 +454,8 @@ def _model_config_of(store, version: int, sharded: bool = False) -> tuple[ModelC
 def run_controller(workdir: str, sampler_urls: Sequence[str], config: PipelineConfig, *,
                    steps: int, pool_size: int = 8, num_tasks: Optional[int] = None,
                    tasks: Optional[Sequence] = None, loop_config=None,
-                   tokenizer_dir: Optional[str] = None) -> int:
+                   tokenizer_dir: Optional[str] = None,
+                   resolve_url: Optional[Callable[[str], str]] = None) -> int:
   """Produces the groups of `steps` learner steps through the samplers; returns groups written.
 
   `tasks`: the train tasks (default: the single-turn suite's train split, its first `num_tasks`);
@@ -470,6 +475,11 @@ def run_controller(workdir: str, sampler_urls: Sequence[str], config: PipelineCo
   order). It prints `controller summary {json}` (RolloutController.summary) when it ends, also
   when it fails; a write that keeps failing raises controller.WriteFailed (rl_part reports it
   and exits nonzero).
+
+  `resolve_url`: for samplers named rather than addressed (`sampler_urls` of job names under a
+  launcher, which may place a sampler again elsewhere): each name's current URL, asked again
+  before a sampler that went down is probed, so a sampler that came back at another address
+  rejoins (samplers.HttpSampler.refresh).
   """
   from envs.sandbox import pool as pool_lib  # pylint: disable=g-import-not-at-top
   from envs.tasks import suite_pyfunc  # pylint: disable=g-import-not-at-top
@@ -503,8 +513,13 @@ def run_controller(workdir: str, sampler_urls: Sequence[str], config: PipelineCo
       if rec is None:
         raise ValueError(f"trajectory shard {name} has a corrupt record")
       written.append(rec["group_id"])
+  def http_sampler(u):
+    if resolve_url is None:
+      return samplers_lib.HttpSampler(u, name=u, tokenizer=tok)
+    return samplers_lib.HttpSampler(resolve_url(u), name=u, tokenizer=tok,
+                                    resolve=lambda: resolve_url(u))
   sampler_set = samplers_lib.SamplerSet(
-      [samplers_lib.HttpSampler(u, name=u, tokenizer=tok) for u in sampler_urls],
+      [http_sampler(u) for u in sampler_urls],
       max_attempts=config.max_request_attempts, max_lag=config.max_staleness)
   writer = trajectory_io.TrajectoryWriter(p["trajectories"], f"controller-{int(time.time())}",
                                           records_per_shard=config.attempts)

@@ -30,7 +30,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 
@@ -143,12 +143,35 @@ class HttpSampler:
   """
 
   def __init__(self, base_url: str, name: str = "", workers: int = 64, tokenizer=None,
-               require: Sequence[str] = ("token_ids", "logprobs", "policy_versions")):
-    self.base_url = base_url.rstrip("/")
+               require: Sequence[str] = ("token_ids", "logprobs", "policy_versions"),
+               resolve: Optional[Callable[[], str]] = None):
+    """`resolve`: where the server is now, asked again before each health probe, for a
+    server that may come back at another address (a sampler a cluster placed again on
+    another node, found by name through launch.discovery); None: always `base_url`."""
     self.name = name or base_url
     self._executor = concurrent.futures.ThreadPoolExecutor(workers)
-    self.client = openai_policy.OpenAIPolicy(self.base_url, "policy",
-                                             tokenizer or ByteTokenizer(), require=require)
+    self._tokenizer = tokenizer or ByteTokenizer()
+    self._require = tuple(require)
+    self._resolve = resolve
+    self._connect(base_url)
+
+  def _connect(self, base_url: str) -> None:
+    self.base_url = base_url.rstrip("/")
+    self.client = openai_policy.OpenAIPolicy(self.base_url, "policy", self._tokenizer,
+                                             require=self._require)
+
+  def refresh(self) -> None:
+    """Follows the server to the address `resolve` gives now (no-op without `resolve`)."""
+    if self._resolve is None:
+      return
+    try:
+      url = self._resolve().rstrip("/")
+    except Exception as e:  # pylint: disable=broad-except
+      log.info("sampler %s: its address cannot be resolved now (%r)", self.name, e)
+      return
+    if url != self.base_url:
+      log.warning("sampler %s moved from %s to %s", self.name, self.base_url, url)
+      self._connect(url)
 
   def _get(self, path: str, timeout: float) -> bytes:
     """GET /health or /metrics; SamplerDown on anything but a 200."""
@@ -185,6 +208,7 @@ class HttpSampler:
     raise SamplerDown(f"{self.name}: /metrics has no policy_version")
 
   def alive(self) -> bool:
+    self.refresh()
     try:
       self._get("/health", 5)
       return True

@@ -41,7 +41,13 @@ episodes in the chat template, as the in-process run does (pipeline/processes.py
 
 Pipeline settings (shared by learner and controller) come from gin: `--gin_file` (default
 tools/configs/experiments/default.gin, whose model and PipelineConfig are used) and `--gin.X=V`.
-Under the launcher (//tools:launch), `--samplers=@sampler_0,@sampler_1` resolves job names.
+
+Under the launcher (//tools:launch with tools/configs/launch/rl.gin, locally or on Ray) parts
+find each other by job name, never by port: `--samplers=@sampler_0,@sampler_1` (asked again
+before a sampler that went down is probed, so one placed again on another node rejoins),
+`--weights_via=@relay_1,@relay_0`, `--upstream=@relay_0` and a learner's
+`--coordinator=@learner_0`; a sampler or relay serves on the port and host the launcher
+reserved for it, and `--workdir` defaults to the run's `<experiment dir>/work`.
 A tokenizer that does not fit (pipeline.processes.TokenizerError) or a controller whose
 trajectories cannot be written stops with `error: ...` on stderr and a nonzero exit status.
 """
@@ -50,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 DEFAULT_EXPERIMENT = "tools/configs/experiments/default.gin"
@@ -58,10 +65,16 @@ DEFAULT_EXPERIMENT = "tools/configs/experiments/default.gin"
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("part", choices=("learner", "sampler", "controller", "relay"))
-  p.add_argument("--workdir", required=True)
+  p.add_argument("--workdir", default=None,
+                 help="the parts' shared work directory (default under a launcher: "
+                      "<experiment dir>/work)")
   p.add_argument("--steps", type=int, default=None, help="learner steps (default: RLConfig)")
   p.add_argument("--init_checkpoint", default=None)
-  p.add_argument("--port", type=int, default=0)
+  p.add_argument("--port", type=int, default=0,
+                 help="sampler, relay: the port (default under a launcher: the one it reserved)")
+  p.add_argument("--host", default=None,
+                 help="sampler, relay: the address to serve on (default: the launcher's for "
+                      "this job, else 127.0.0.1)")
   p.add_argument("--samplers", default="", help="comma-separated sampler URLs or @job names")
   p.add_argument("--weights_via", default="",
                  help="sampler: read the weights through these relays (comma-separated URLs or "
@@ -79,12 +92,21 @@ def main(argv=None) -> int:
   from tools import configs  # pylint: disable=g-import-not-at-top
   args, files, bindings = configs.parse_flags(p, sys.argv[1:] if argv is None else argv)
   logging.basicConfig(level=logging.WARNING)
+  if args.workdir is None:
+    from launch import discovery  # pylint: disable=g-import-not-at-top
+    if not discovery.under_launcher():
+      p.error("--workdir is required (outside a launcher)")
+    args.workdir = os.path.join(os.environ[discovery.EXPERIMENT_DIR], "work")
   if args.num_processes != 1 or args.process_id or args.coordinator:
     if args.part != "learner":
       p.error("--num_processes, --process_id and --coordinator are the learner's")
     from rl import distributed  # pylint: disable=g-import-not-at-top
+    coordinator = args.coordinator
+    if coordinator.startswith("@"):  # process 0's job name: its reserved address
+      from launch import discovery  # pylint: disable=g-import-not-at-top
+      coordinator = discovery.address_of(coordinator[1:])
     try:  # before anything starts a JAX backend (the config's device check does)
-      distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+      distributed.initialize(coordinator, args.num_processes, args.process_id)
     except ValueError as e:
       p.error(str(e))
   from pipeline import processes  # pylint: disable=g-import-not-at-top
@@ -125,18 +147,18 @@ def _run_part(parser: argparse.ArgumentParser, args, cfg, steps: int) -> int:
                           init_checkpoint=args.init_checkpoint, seed=cfg.seed,
                           tokenizer_dir=args.tokenizer, mesh_shape=cfg.mesh_shape)
   elif args.part in ("sampler", "relay"):
-    port = args.port
-    if not port:
-      from launch import discovery  # pylint: disable=g-import-not-at-top
-      port = discovery.my_port()
+    from launch import discovery  # pylint: disable=g-import-not-at-top
+    port = args.port or discovery.my_port()
+    host = args.host or (discovery.my_host() if discovery.under_launcher() else "127.0.0.1")
     if args.part == "relay":
-      processes.run_relay(args.workdir, port=port, upstream=_urls(args.upstream) or None)
+      processes.run_relay(args.workdir, port=port, upstream=_urls(args.upstream) or None,
+                          host=host)
     else:
       processes.run_sampler(args.workdir, port=port, max_slots=cfg.rl.sampler_slots,
                             max_len=cfg.model.max_seq_len, tokenizer_dir=args.tokenizer,
-                            weight_urls=_urls(args.weights_via) or None)
+                            weight_urls=_urls(args.weights_via) or None, host=host)
   else:
-    urls = _urls(args.samplers)
+    urls = [s for s in args.samplers.split(",") if s]  # @names resolved as they are used
     if not urls:
       parser.error("the controller needs --samplers")
     from experiment import run as run_lib  # pylint: disable=g-import-not-at-top
@@ -149,7 +171,7 @@ def _run_part(parser: argparse.ArgumentParser, args, cfg, steps: int) -> int:
       processes.run_controller(args.workdir, urls, cfg.rl.pipeline, steps=steps,
                                pool_size=cfg.sandbox_pool, tasks=train,
                                loop_config=cfg.agent.loop_config(cfg.rl.pipeline.max_new_tokens),
-                               tokenizer_dir=args.tokenizer)
+                               tokenizer_dir=args.tokenizer, resolve_url=_url)
     except controller.WriteFailed as e:  # a clear stop, not a traceback: the operator's to fix
       print(f"error: {e}", file=sys.stderr)
       return 1
@@ -158,13 +180,15 @@ def _run_part(parser: argparse.ArgumentParser, args, cfg, steps: int) -> int:
 
 def _urls(flag: str) -> list:
   """The comma-separated URLs of a flag, `@job` names resolved through the launcher."""
-  urls = []
-  for s in filter(None, flag.split(",")):
-    if s.startswith("@"):
-      from launch import discovery  # pylint: disable=g-import-not-at-top
-      s = "http://" + discovery.address_of(s[1:])
-    urls.append(s)
-  return urls
+  return [_url(s) for s in flag.split(",") if s]
+
+
+def _url(s: str) -> str:
+  """A URL as is; `@job`: that job's address now (launch.discovery), as http://host:port."""
+  if not s.startswith("@"):
+    return s
+  from launch import discovery  # pylint: disable=g-import-not-at-top
+  return "http://" + discovery.address_of(s[1:])
 
 
 if __name__ == "__main__":

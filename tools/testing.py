@@ -98,3 +98,27 @@ def serve_port(line: str) -> int:
   m = re.search(r"listening on http://127\.0\.0\.1:(\d+) ", line or "")
   assert m, f"not //tools:serve's start-up line: {line!r}"
   return int(m.group(1))
+
+
+# The RL launch config (tools/configs/launch/rl.gin) with the pipeline tests' tiny model and
+# settings (pipeline.testing.MODEL and config()): gin bindings every part gets
+# (`--gin.rl_jobs.bindings=...`), so a launched pipeline runs in seconds a step on a CPU.
+RL_TINY_BINDINGS = (
+    "ModelConfig.hidden_size=32", "ModelConfig.num_layers=2", "ModelConfig.num_heads=2",
+    "ModelConfig.num_kv_heads=1", "ModelConfig.intermediate_size=64",
+    "ModelConfig.moe_intermediate_size=32", "ModelConfig.num_experts=4",
+    "ModelConfig.max_seq_len=128", "PipelineConfig.max_staleness=1",
+    "PipelineConfig.prompts_per_step=2", "PipelineConfig.attempts=4",
+    "PipelineConfig.max_new_tokens=12", "PipelineConfig.seq_len=96",
+    "PipelineConfig.batch_rows=8", "PipelineConfig.grade_workers=2",
+    "OptimizerConfig.learning_rate=1e-3", "ExperimentConfig.sandbox_pool=2",
+    "RLConfig.sampler_slots=8")
+
+
+def rl_launch_flags(steps: int, root_dir: str, *extra: str) -> list:
+  """//tools:launch flags that run rl.gin tiny for `steps` steps in `root_dir`, without Bazel
+  (the parts run as `python -m tools.rl_part`)."""
+  import json  # pylint: disable=g-import-not-at-top
+  return ["--experiment=tools/configs/launch/rl.gin", "--use_bazel=False",
+          f"--root_dir={root_dir}", "--grace_s=2", f"--gin.rl_jobs.steps={steps}",
+          f"--gin.rl_jobs.bindings={json.dumps(list(RL_TINY_BINDINGS))}", *extra]
