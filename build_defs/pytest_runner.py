@@ -8,6 +8,14 @@ target that ran nothing. Running every file through this one runner means the fi
 pytest writes a JUnit report to `$XML_OUTPUT_FILE` (Bazel's per-target test.xml), which is what
 `.ci/run` sums to print how many test cases the suite ran.
 
+Tests compile with XLA's backend (LLVM) optimisation level 0 (`TEST_XLA_FLAGS`, appended to
+`XLA_FLAGS`, which the test's own processes inherit): the suite's programs are tiny and most of
+its CPU time was spent compiling them, which level 0 cuts by about half while the programs run
+up to twice slower; XLA's HLO passes (fusion, sharding, collectives, buffer assignment: what the
+tests assert on) are untouched, and every program a test compares against another is compiled
+under the same flags. `bazel test --test_env=MOE_RL_TEST_FULL_OPT=1` runs the suite as the
+entry points compile (BENCHMARKS.md, "Test suite", has both timings).
+
 Usage (what the macro passes): pytest_runner.py <test file, runfiles-relative> [pytest args...]
 """
 
@@ -15,6 +23,18 @@ import os
 import sys
 
 import pytest
+
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+
+
+def xla_environment(environ) -> dict:
+  """The variables the runner sets before pytest imports the test (and JAX reads XLA_FLAGS)."""
+  if environ.get("MOE_RL_TEST_FULL_OPT") == "1":
+    return {}
+  flags = environ.get("XLA_FLAGS", "")
+  if "xla_backend_optimization_level" in flags:
+    return {}
+  return {"XLA_FLAGS": f"{flags} {TEST_XLA_FLAGS}".strip()}
 
 
 def main(argv):
@@ -25,6 +45,7 @@ def main(argv):
   if not os.path.isfile(test_file):
     print(f"pytest_runner: no such test file: {test_file!r} (cwd {os.getcwd()})", file=sys.stderr)
     return 2
+  os.environ.update(xla_environment(os.environ))
   args = [test_file, "-q", "-rfEs", "-p", "no:cacheprovider"]
   xml = os.environ.get("XML_OUTPUT_FILE")
   if xml:

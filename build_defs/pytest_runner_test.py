@@ -76,3 +76,30 @@ def test_counter_fails_a_target_that_ran_nothing(tmp_path, capsys, tests):
   assert count_test_cases.main(["prog", str(log), str(logs)]) == 1
   err = capsys.readouterr().err
   assert "//a:empty_test" in err
+
+
+_SEES_FLAGS = ("import os\n\ndef test_flags():\n"
+               "  print('XLA_FLAGS=' + repr(os.environ.get('XLA_FLAGS')))\n  assert False\n")
+
+
+def _flags_seen(tmp_path, **env):
+  test_file = tmp_path / "x_test.py"
+  test_file.write_text(_SEES_FLAGS)
+  full = dict(os.environ, **env)
+  full.pop("MOE_RL_TEST_FULL_OPT", None)
+  full.update(env)
+  r = subprocess.run([sys.executable, _RUNNER, str(test_file)], env=full, capture_output=True,
+                     text=True, timeout=120, cwd=tmp_path, check=False)
+  line = [l for l in r.stdout.splitlines() if l.startswith("XLA_FLAGS=")]
+  assert line, r.stdout + r.stderr
+  return line[0][len("XLA_FLAGS="):]
+
+
+def test_tests_compile_at_backend_level_0_keeping_their_own_flags(tmp_path):
+  seen = _flags_seen(tmp_path, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  assert seen == repr("--xla_force_host_platform_device_count=8 "
+                      "--xla_backend_optimization_level=0")
+  # A level the caller chose is kept; MOE_RL_TEST_FULL_OPT=1 leaves XLA_FLAGS alone.
+  assert _flags_seen(tmp_path, XLA_FLAGS="--xla_backend_optimization_level=2") == repr(
+      "--xla_backend_optimization_level=2")
+  assert _flags_seen(tmp_path, XLA_FLAGS="", MOE_RL_TEST_FULL_OPT="1") == repr("")

@@ -6,7 +6,8 @@ Arrays are written and read back bit for bit, so comparisons are exact.
 import os
 import sys
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8")
 
 import jax  # pylint: disable=g-import-not-at-top
 import numpy as np

@@ -7,7 +7,8 @@ inputs, and XLA on the CPU is deterministic for a fixed program, so losses must 
 import os
 import sys
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8")
 
 import numpy as np  # pylint: disable=g-import-not-at-top
 import pytest
