@@ -7,6 +7,13 @@ Sources of weights (exactly one):
 `rollout.EngineConfig` (`--gin.EngineConfig.max_slots=32`; tools/configs/runs/serve.gin lists
 them). gin is used only here, at the edge; `rollout.loading.load_engine` takes plain arguments.
 
+Layout: one engine on the default device, or `--replicas=R` data-parallel engines behind the one
+server (a request goes to the least loaded; `rollout.replicas`), each sharded over `--expert=E`
+x `--tensor=T` devices of its own (`rollout.placement`: a model too large for one device), so
+R x E x T devices in all (on a CPU, `XLA_FLAGS=--xla_force_host_platform_device_count=N`
+simulates them). Weight swaps reach every replica at the same version; `/metrics` has each
+replica's counters under a `replica` label.
+
 Text prompts are encoded, and completions decoded, with the checkpoint's own tokenizer (its
 `tokenizer.json`, e.g. one saved by transformers); bytes only for a model whose vocabulary is the
 byte tokenizer's. A checkpoint with neither does not start (`moe.tokenizer.for_model`). Its chat
@@ -79,6 +86,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   p.add_argument("--decode_steps", type=int, default=None)
   p.add_argument("--max_queue", type=int, default=None)
   p.add_argument("--deterministic", action="store_true", default=None)
+  p.add_argument("--replicas", type=int, default=1,
+                 help="data-parallel engines behind the one server, each on its own devices")
+  p.add_argument("--expert", type=int, default=1,
+                 help="devices each engine shards the model's experts over (expert parallel)")
+  p.add_argument("--tensor", type=int, default=1,
+                 help="devices each engine shards its attention heads and expert hidden "
+                      "units over (tensor parallel)")
   p.add_argument("--request_timeout", type=float, default=600.0)
   p.add_argument("--no_warmup", action="store_true",
                  help="do not compile the engine's programs at start-up (/health is ready at "
@@ -108,9 +122,13 @@ def build_engine(args: argparse.Namespace) -> Engine:
   over = {k: getattr(args, k) for k in ("max_slots", "max_len", "decode_steps", "max_queue",
                                           "deterministic") if getattr(args, k) is not None}
   ec = dataclasses.replace(configs.GinEngineConfig(), **over)
+  for flag in ("replicas", "expert", "tensor"):
+    if getattr(args, flag) < 1:
+      raise SystemExit(f"error: --{flag} must be >= 1, got {getattr(args, flag)}")
   try:
     return loading.load_engine(ec, hf_checkpoint=args.hf_checkpoint, checkpoint=args.checkpoint,
-                               config=cfg, seed=args.seed, max_seq_len=args.max_len)
+                               config=cfg, seed=args.seed, max_seq_len=args.max_len,
+                               replicas=args.replicas, expert=args.expert, tensor=args.tensor)
   except ValueError as e:  # a bad source, or a checkpoint without a usable tokenizer: no traceback
     raise SystemExit(f"error: {e}") from e
 

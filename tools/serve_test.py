@@ -168,5 +168,36 @@ def test_a_checkpoint_without_a_tokenizer_whose_vocabulary_is_not_bytes_does_not
     serve.build_engine(serve.parse_args([f"--hf_checkpoint={bare}", "--max_len=64"]))
 
 
+def test_the_binary_serves_replicas_of_a_sharded_engine(tmp_path, monkeypatch):
+  """--replicas=2 --expert=2 on 4 (simulated) devices: one server, two engines each sharding the
+  experts over two devices; requests complete and /metrics shows both replicas at work."""
+  monkeypatch.setenv("XLA_FLAGS", (os.environ.get("XLA_FLAGS", "") +
+                                   " --xla_force_host_platform_device_count=4").strip())
+  binary = testing.Binary("serve", [TINY, "--port=0", "--admin_port=-1", "--max_slots=2",
+                                    "--max_len=64", "--decode_steps=4", "--replicas=2",
+                                    "--expert=2", *testing.serve_flags(tmp_path)], tmp_path)
+  try:
+    port = testing.serve_port(binary.line)
+    outs = [_post_json(port, "/v1/completions", {"prompt": f"def f{i}():", "max_tokens": 6,
+                                                  "n": 2, "temperature": 1.0, "seed": i})
+            for i in range(4)]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=WAIT_S) as r:
+      metrics = r.read().decode()
+  finally:
+    binary.close()
+  assert all(len(o["choices"]) == 2 and o["usage"]["completion_tokens"] > 0 for o in outs)
+  per_replica = {m.group(1): float(m.group(2)) for m in re.finditer(
+      r'^rollout_replica_completions_total\{replica="(\d)"\} (\S+)$', metrics, re.M)}
+  assert set(per_replica) == {"0", "1"}, metrics
+  assert sum(per_replica.values()) == 8, per_replica
+
+
+def test_a_layout_larger_than_the_machine_is_a_clear_error(tmp_path):
+  with pytest.raises(SystemExit, match=r"error: .*need 4 devices, have 1"):
+    serve.build_engine(serve.parse_args([TINY, "--max_len=64", "--replicas=2", "--expert=2"]))
+  with pytest.raises(SystemExit, match="--tensor must be >= 1"):
+    serve.build_engine(serve.parse_args([TINY, "--tensor=0"]))
+
+
 if __name__ == "__main__":
   sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
