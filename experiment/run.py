@@ -358,7 +358,9 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
 
   summary["rl"] holds the RL phase's totals: steps, groups written, episodes trained, episodes
   masked as infrastructure failures, zero-variance groups (and filtered ones), attempts flagged
-  for reward hacking, and the final policy version (what shows RL trained).
+  for reward hacking, where the attempts were graded (`grading`: the local pool, or the Ray
+  fleet's grades per host, retries and host failures; PipelineConfig.grader), and the final
+  policy version (what shows RL trained).
 
   With evaluate=False only the training phases run (the `//tools:train` entry point).
 
@@ -506,6 +508,7 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
                    "zero_variance_groups": result.batcher["zero_variance_groups"],
                    "zero_variance_filtered": result.batcher["zero_variance_filtered"],
                    "hack_flagged": result.batcher["hack_flagged"],
+                   "grading": result.grading,
                    "policy_version": rl_learner.policy_version}
       echo(f"RL: {result.steps} steps, {result.groups} groups in {result.wall_s:.0f}s "
            f"(learner waited {result.learner_wait_s:.0f}s, trained {result.learner_train_s:.0f}s)")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+GRADERS = ("local", "ray")
+
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
@@ -46,6 +48,14 @@ class PipelineConfig:
       (pipeline.learner_loop.EmptyStepError). Reward hacking is penalised where rewards are
       made (envs.reward.RewardConfig.hack_penalty / zero_on_hack) and counted per step
       (`hack_flagged`).
+    grader: where attempts are graded (pipeline/grading.py). "local": the controller's own warm
+      sandbox pool. "ray": a Ray sandbox fleet (envs.sandbox.fleet_ray.RayFleet), one actor per
+      host with its own warm pool; a host that dies has its grades re-run on another. The agent's
+      tool calls run in the local pool either way.
+    grader_hosts: the Ray fleet's host actors (grader "ray").
+    grader_pool: warm sandboxes per Ray host.
+    ray_address: the Ray cluster the fleet joins ("auto", "HOST:PORT", "ray://HOST:PORT"); "":
+      the Ray this process already initialised, else a local one.
     negative_advantage_scale: multiplies the GRPO advantages of below-average attempts
       (rl.objectives.group_advantages): 1 is GRPO, 0 trains only on the attempts that did better
       than their group's mean.
@@ -67,6 +77,10 @@ class PipelineConfig:
   seed: int = 0
   filter_zero_variance_groups: bool = False
   negative_advantage_scale: float = 1.0
+  grader: str = "local"
+  grader_hosts: int = 2
+  grader_pool: int = 2
+  ray_address: str = ""
 
   def __post_init__(self):
     def need(cond, msg):
@@ -84,6 +98,9 @@ class PipelineConfig:
          f"({self.batch_rows})")
     need(0.0 <= self.negative_advantage_scale <= 1.0,
          f"negative_advantage_scale must lie in [0, 1], got {self.negative_advantage_scale}")
+    need(self.grader in GRADERS, f"grader must be one of {GRADERS}, got {self.grader!r}")
+    need(self.grader_hosts >= 1 and self.grader_pool >= 1,
+         "grader_hosts and grader_pool must be >= 1")
     need(self.grade_workers >= 1 and self.max_request_attempts >= 1,
          "grade_workers and max_request_attempts must be >= 1")
 

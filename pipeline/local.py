@@ -21,6 +21,7 @@ import numpy as np
 from envs import reward as reward_lib
 from envs.harness import agent_loop
 from pipeline import controller as controller_lib
+from pipeline import grading
 from pipeline import samplers as samplers_lib
 from pipeline.config import PipelineConfig
 from pipeline.learner_loop import LearnerLoop
@@ -160,6 +161,7 @@ class RunResult:
   learner: object  # the learner at the end (a restarted one after a crash)
   controller: dict = dataclasses.field(default_factory=dict)  # RolloutController.summary()
   samplers: dict = dataclasses.field(default_factory=dict)  # the engines' summed counters
+  grading: dict = dataclasses.field(default_factory=dict)  # grading.Sandboxes.summary()
 
 
 def run(*, learner, tasks: Sequence, pool, workdir: str, config: PipelineConfig, num_steps: int,
@@ -180,7 +182,8 @@ def run(*, learner, tasks: Sequence, pool, workdir: str, config: PipelineConfig,
     learner: an rl.learner.Learner with objective "policy" (its policy is the starting policy).
     tasks: the tasks (envs.tasks.task_format.Task): single-turn ones and multi-turn repository
       tasks alike (every attempt runs through envs.harness.attempts).
-    pool: envs WarmPool for grading.
+    pool: envs WarmPool for the agent's tools and, with config.grader "local", grading
+      (pipeline/grading.py; "ray" grades in a Ray sandbox fleet, closed when the run ends).
     workdir: trajectories, weights and checkpoints go under it.
     config: PipelineConfig.
     num_steps: learner steps to run (counted from the learner's current step).
@@ -191,7 +194,8 @@ def run(*, learner, tasks: Sequence, pool, workdir: str, config: PipelineConfig,
     checkpoints / checkpoint_every: learner checkpointing (restored first if one exists).
     on_step(step, metrics, info) / on_group(GroupResult): progress callbacks.
     grade_fn: override grading (fault-injection tests).
-    after_start: called with {"engines", "samplers", "controller", "learner_loop", "stop"} once
+    after_start: called with {"engines", "samplers", "controller", "learner_loop", "stop",
+      "sandboxes"} once
       everything is built, before the controller starts (tests use it to inject faults).
     learner_factory: builds a fresh learner after the learner loop dies; the new one restores the
       latest checkpoint and the pipeline carries on (samplers and controller keep running).
@@ -254,10 +258,12 @@ def run(*, learner, tasks: Sequence, pool, workdir: str, config: PipelineConfig,
   writer = trajectory_io.TrajectoryWriter(traj_dir, f"controller-{int(time.time() * 1e3)}",
                                           records_per_shard=config.attempts)
 
+  # The agent's tools run in `pool`; grading too, or in a Ray fleet (config.grader).
+  sandboxes = grading.open_sandboxes(config, pool=pool)
   controller = controller_lib.RolloutController(
-      tasks, sampler_set, pool, group_sink(writer), config=config,
-      reward_config=reward_config, on_group=on_group, grade_fn=grade_fn, loop_config=loop_config,
-      tokenizer=tokenizer)
+      tasks, sampler_set, sandboxes.pool, group_sink(writer), config=config,
+      reward_config=reward_config, on_group=on_group, grade_fn=grade_fn or sandboxes.grade_fn,
+      loop_config=loop_config, tokenizer=tokenizer)
   controller.groups_written = done_groups
   errors: list = []
 
@@ -271,7 +277,7 @@ def run(*, learner, tasks: Sequence, pool, workdir: str, config: PipelineConfig,
   ct = threading.Thread(target=run_controller, daemon=True, name="controller")
   if after_start is not None:
     after_start({"engines": engines, "samplers": sampler_set, "controller": controller,
-                 "learner_loop": loop, "stop": stop})
+                 "learner_loop": loop, "stop": stop, "sandboxes": sandboxes})
   for t in threads:
     t.start()
   ct.start()
@@ -304,6 +310,8 @@ def run(*, learner, tasks: Sequence, pool, workdir: str, config: PipelineConfig,
     writer.close()
     if checkpoints is not None:
       checkpoints.wait()
+    grading_summary = sandboxes.summary()
+    sandboxes.close()
   if errors:
     raise RuntimeError("the rollout controller failed") from errors[0]
   swaps = [dataclasses.asdict(r) for s in subscribers for r in s.reports]
@@ -313,7 +321,8 @@ def run(*, learner, tasks: Sequence, pool, workdir: str, config: PipelineConfig,
       learner_wait_s=waits[0], learner_train_s=waits[1], learner_publish_s=waits[2],
       controller_wait_s=controller.wait_s, sampler_retries=sampler_set.retries, swaps=swaps,
       batcher=dataclasses.asdict(loop.batcher.stats), learner_restarts=restarts,
-      learner=learner, controller=controller.summary(), samplers=sampler_counts)
+      learner=learner, controller=controller.summary(), samplers=sampler_counts,
+      grading=grading_summary)
 
 
 def sampler_totals(engines) -> dict:

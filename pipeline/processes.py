@@ -470,6 +470,10 @@ def run_controller(workdir: str, sampler_urls: Sequence[str], config: PipelineCo
   controller). When the learner has published weights, it is checked against the model config
   and tokenizer their manifest names (`check_tokenizer`, TokenizerError) before any episode.
 
+  Sandboxes (pipeline/grading.py): the agent's tools run in a local pool of `pool_size`; the
+  attempts are graded there too, or, with `config.grader` "ray", in a Ray sandbox fleet
+  (`config.ray_address`'s cluster), whose counts the summary line carries under "grading".
+
   A restarted controller resumes at the first group not on disk, with the task the seeded
   order gives that group (RolloutController.resume checks the written records against that
   order). It prints `controller summary {json}` (RolloutController.summary) when it ends, also
@@ -481,9 +485,9 @@ def run_controller(workdir: str, sampler_urls: Sequence[str], config: PipelineCo
   before a sampler that went down is probed, so a sampler that came back at another address
   rejoins (samplers.HttpSampler.refresh).
   """
-  from envs.sandbox import pool as pool_lib  # pylint: disable=g-import-not-at-top
   from envs.tasks import suite_pyfunc  # pylint: disable=g-import-not-at-top
   from pipeline import controller as controller_lib  # pylint: disable=g-import-not-at-top
+  from pipeline import grading  # pylint: disable=g-import-not-at-top
   from pipeline import samplers as samplers_lib  # pylint: disable=g-import-not-at-top
   from pipeline.local import group_sink  # pylint: disable=g-import-not-at-top
   from rl import trajectory_io  # pylint: disable=g-import-not-at-top
@@ -524,13 +528,14 @@ def run_controller(workdir: str, sampler_urls: Sequence[str], config: PipelineCo
   writer = trajectory_io.TrajectoryWriter(p["trajectories"], f"controller-{int(time.time())}",
                                           records_per_shard=config.attempts)
 
-  pool = pool_lib.WarmPool(size=pool_size)
+  # The agent's tools run in a local pool; grading too, or in a Ray fleet (config.grader).
+  sandboxes = grading.open_sandboxes(config, pool_size=pool_size)
   ctl = None
   try:
     ctl = controller_lib.RolloutController(
-        tasks, sampler_set, pool, group_sink(writer), config=config,
+        tasks, sampler_set, sandboxes.pool, group_sink(writer), config=config,
         sink_path=p["trajectories"], loop_config=loop,
-        tokenizer=tok,
+        tokenizer=tok, grade_fn=sandboxes.grade_fn,
         on_group=lambda g: print(f"group {g.index} {g.task_id} rewards {g.rewards}", flush=True))
     start = ctl.resume(written)
     if start:
@@ -538,10 +543,11 @@ def run_controller(workdir: str, sampler_urls: Sequence[str], config: PipelineCo
     return ctl.run(steps)
   finally:
     if ctl is not None:
-      print("controller summary " + json.dumps(ctl.summary()), flush=True)
+      print("controller summary " + json.dumps(dict(ctl.summary(), grading=sandboxes.summary())),
+            flush=True)
     try:
       writer.close()  # empty unless a write failed: then this is one more try at that group
     except OSError as e:  # the write error that stopped the run is already on its way out
       log.error("closing the trajectory writer in %s failed: %r", p["trajectories"], e)
     finally:
-      pool.close()
+      sandboxes.close()

@@ -89,6 +89,19 @@ def test_rl_run_file_builds_the_rl_learner_defaults():
           nested.optimizer.warmup_steps) == (0.28, "proximal", 5)
 
 
+def test_ray_grading_add_on_sends_the_grades_to_a_ray_fleet():
+  """runs/ray_grading.gin, given after an experiment, switches only the grader (and its fleet)."""
+  base = configs.load_experiment([DEFAULT], num_devices=1)
+  cfg = configs.load_experiment([DEFAULT, f"{RUNS}/ray_grading.gin"],
+                                ["PipelineConfig.ray_address = '10.0.0.1:6379'"], num_devices=1)
+  p = cfg.rl.pipeline
+  assert (base.rl.pipeline.grader, p.grader) == ("local", "ray")
+  assert (p.grader_hosts, p.grader_pool, p.ray_address) == (2, 2, "10.0.0.1:6379")
+  assert dataclasses.replace(p, grader="local", ray_address="") == base.rl.pipeline
+  with pytest.raises(configs.ConfigError, match="grader must be one of"):
+    configs.load_experiment([DEFAULT], ["PipelineConfig.grader = 'cluster'"], num_devices=1)
+
+
 def test_default_experiment_values_and_command_line_overrides():
   cfg = configs.load_experiment([DEFAULT], num_devices=1)
   assert (cfg.pretrain.steps, cfg.pretrain.batch_rows, cfg.pretrain.seq_len) == (150, 32, 128)

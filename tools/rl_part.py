@@ -5,6 +5,12 @@
   bazel run //tools:rl_part -- controller --workdir=/tmp/rl --steps=60 [--tokenizer=DIR] \
       --samplers=http://127.0.0.1:8101,http://127.0.0.1:8102
 
+The controller grades in a Ray sandbox fleet when its experiment says so (PipelineConfig.grader,
+pipeline/grading.py), e.g. on an existing Ray cluster:
+  bazel run //tools:rl_part -- controller --workdir=/tmp/rl --samplers=http://127.0.0.1:8101 \
+      --gin_file=tools/configs/experiments/default.gin \
+      --gin_file=tools/configs/runs/ray_grading.gin --gin.PipelineConfig.ray_address='"HEAD:6379"'
+
 Weights through relays (pipeline/processes.py, run_relay): an origin relay beside the learner,
 one relay per cluster pulling from it, and each sampler reading through its cluster's relay,
 then the origin to fail over to:
