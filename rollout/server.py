@@ -21,7 +21,9 @@ Warm-up (`warmup=True`, what //tools:serve does unless told `--no_warmup`): once
 the server compiles every device program a request can reach (`Engine.warm_up`) in a thread of
 its own, logging a progress line per program; until that is done `/health` answers 503
 ("warming_up", with the count), so a load balancer or a waiting client holds off. Requests sent
-meanwhile are served, each compiling what it needs.
+meanwhile are served, each compiling what it needs. With the admin app listening, the warm-up
+also readies the numba kernels `/admin/swap_delta` decodes with (`sync.delta.warm_up`), so the
+first delta costs what later ones do.
 
 Threading: the engine runs its own thread; handlers submit and await `concurrent.futures`
 through asyncio, and streaming receives per-chunk callbacks via `call_soon_threadsafe`.
@@ -107,6 +109,7 @@ class Server:
                                          else None)
     self.warmup_result: Optional[asyncio.Future] = None  # its counts (Engine.warm_up)
     self._warmup_stop = threading.Event()
+    self._accepts_deltas = False  # the admin app listens: /admin/swap_delta may come
     self.http_stats = {"http_400_total": 0, "http_429_total": 0, "http_504_total": 0,
                        "client_disconnects_total": 0}
 
@@ -148,6 +151,7 @@ class Server:
       ports.append(site._server.sockets[0].getsockname()[1])
       if is_admin:
         self.admin.bind(h, ports[-1])
+        self._accepts_deltas = True
     if self.warmup_state is not None and self.warmup_result is None:
       self.warmup_result = self._start_warmup()
     return tuple(ports)
@@ -185,6 +189,12 @@ class Server:
         out, err = None, e
       else:
         if out["done"] == out["programs"]:
+          if self._accepts_deltas:
+            # /admin/swap_delta decodes with numba kernels: ready them now (loaded from their
+            # on-disk cache, or compiled), so the first delta swaps as fast as later ones.
+            from sync import delta  # pylint: disable=g-import-not-at-top
+            out["delta_kernels_s"] = delta.warm_up()
+            log.info("warm-up: delta kernels ready in %.2f s", out["delta_kernels_s"])
           log.info("warm-up done: %d programs in %.1f s (%d compiled, %d loaded from the "
                    "persistent compilation cache)", out["programs"], out["seconds"],
                    out["compiled"], out["cache_hits"])

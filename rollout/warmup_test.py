@@ -280,7 +280,7 @@ def test_the_server_is_not_ready_until_its_warm_up_is_done(model, monkeypatch, c
     return real(hold, **kw)
 
   monkeypatch.setattr(engine, "warm_up", held)
-  live = testing.LiveServer(engine, warmup=True)
+  live = testing.LiveServer(engine, warmup=True, admin=True)
   try:
     waiting.wait_event(entered, "the first program of the warm-up", timeout_s=WAIT_S)
     status, body = _health(live)
@@ -301,6 +301,9 @@ def test_the_server_is_not_ready_until_its_warm_up_is_done(model, monkeypatch, c
   assert [x.split(":")[1] for x in lines if x.startswith("warm-up: compiled ")] == \
       [f" compiled {i}/4" for i in range(1, 5)]
   assert any(x.startswith("warm-up done: 4 programs") for x in lines)
+  # The admin app listens, so the delta kernels /admin/swap_delta uses were readied too.
+  assert any(x.startswith("warm-up: delta kernels ready in ") for x in lines)
+  assert live.server.warmup_result.result()["delta_kernels_s"] >= 0
 
 
 def test_a_failed_warm_up_keeps_the_server_unhealthy(model, monkeypatch):
