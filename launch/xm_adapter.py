@@ -12,12 +12,13 @@ on this machine) and written to the same `jobs.json` files the local executor wr
 the same LAUNCH_* variables (`launch.discovery`), so job code cannot tell the executors apart.
 
 How far this works offline (xmanager 0.8.5.post1, Bazel 4.2.3, checked here; launch/README.md):
-  * `pip install xmanager` pulls google-cloud-aiplatform, kubernetes, docker, sqlalchemy and more
-    (~90 packages, ~12 minutes of dependency resolution here), so it is not in requirements.txt;
-    install it yourself to use `--executor=xm`.
-  * With no network, docker or gcloud, xm_local ran a work unit of `xm.binary` jobs and one of
-    `xm.bazel_binary` jobs (its `bazel build --build_event_binary_file` and `cquery
-    --output=starlark` work with Bazel 4.2.3), the jobs finding each other by name.
+  * xmanager is a test requirement installed without pip's dependency resolution
+    (requirements-xm.txt: it and only what xm_local imports; its full requirements pull Google
+    Cloud and Kubernetes clients and protobuf<7), and launch/xm_adapter_test.py runs an
+    experiment of `xm.binary` jobs under xm_local with it, the jobs finding each other by name.
+  * With no network, docker or gcloud, xm_local also ran a work unit of `xm.bazel_binary` jobs
+    (its `bazel build --build_event_binary_file` and `cquery --output=starlark` work with Bazel
+    4.2.3; by hand, not in the test: a nested Bazel build).
 """
 
 from __future__ import annotations
@@ -54,7 +55,9 @@ def _require():
     raise XManagerUnavailable(
         f"the xmanager package is not importable ({e}). Install it with "
         "`pip install xmanager==0.8.5.post1` (heavy: it pulls Google Cloud and Kubernetes "
-        "clients) or use the local executor (--executor=local).") from e
+        "clients; `pip install --no-deps -r requirements-xm.txt` is enough for xm_local, "
+        "and `scripts/bootstrap.sh --test` does it) or use the local executor "
+        "(--executor=local).") from e
   return xm, xm_local
 
 

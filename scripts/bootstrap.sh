@@ -4,7 +4,8 @@
 # spawn helper (envs/sandbox/spawner.py) sets up the namespaces under the system python3.
 #
 #   scripts/bootstrap.sh          runtime requirements
-#   scripts/bootstrap.sh --test   runtime and test requirements
+#   scripts/bootstrap.sh --test   runtime and test requirements (requirements-test.txt, then
+#                                 requirements-xm.txt without dependency resolution)
 #   scripts/bootstrap.sh --gpu    also jax's CUDA 12 build for NVIDIA GPUs (requirements-gpu.txt:
 #                                 the same jax version, its CUDA plugin and the CUDA libraries as
 #                                 wheels); combines with --test. Nothing else changes on a GPU.
@@ -35,11 +36,17 @@ fi
 
 req=requirements.txt
 (( want_test )) && req=requirements-test.txt
-stamp=".venv/.installed-$(cat requirements.txt requirements-test.txt | sha256sum | cut -c1-16)-$want_test"
+stamp=".venv/.installed-$(cat requirements.txt requirements-test.txt requirements-xm.txt | sha256sum | cut -c1-16)-$want_test"
 if [[ ! -f "$stamp" ]]; then
   [[ -x .venv/bin/python3 ]] || python3 -m venv .venv
   echo "bootstrap: installing $req into .venv"
   .venv/bin/python3 -m pip install -q --disable-pip-version-check -r "$req"
+  if (( want_test )); then
+    # xmanager for the XManager adapter's test, pinned with what it imports and without pip's
+    # resolution of its own requirements (protobuf<7, cloud clients): see requirements-xm.txt.
+    echo "bootstrap: installing requirements-xm.txt (--no-deps) into .venv"
+    .venv/bin/python3 -m pip install -q --disable-pip-version-check --no-deps -r requirements-xm.txt
+  fi
   rm -f .venv/.installed-*
   touch "$stamp"
   # A test install also satisfies the runtime one.
