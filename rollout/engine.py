@@ -170,6 +170,15 @@ class Engine:
     with self._cv_lock:
       return self._sched.queued_completions + self._sched.num_running()
 
+  def cached_prefix_tokens(self, prompt_token_ids: Sequence[int],
+                           keys: Optional[list] = None) -> int:
+    """Prompt tokens a request would take from the prefix cache now (`PrefixReuse.
+    cached_tokens`; 0 without prefix caching): where a conversation's next turn goes among
+    replicas (`rollout.replicas`)."""
+    if self._prefix is None:
+      return 0
+    return self._prefix.cached_tokens(list(prompt_token_ids), keys)
+
   def stop(self) -> None:
     """Stops the loop; waiting and running requests finish as "cancelled"."""
     with self._cv_lock:

@@ -93,6 +93,14 @@ class PrefixReuse:
     usable = min(have, self._limit(h))
     return len(h.prompt) - usable * self.block_size, (keys[have] if have < len(keys) else None)
 
+  def cached_tokens(self, prompt, keys: Optional[list] = None) -> int:
+    """Prompt tokens a prefill of `prompt` would take from the cache now (`keys`: its
+    `chain_keys`, if known); changes nothing. Read from another thread it is a hint: the
+    engine's loop may insert or evict blocks meanwhile."""
+    keys = prefix_cache.chain_keys(prompt, self.block_size) if keys is None else keys
+    usable = min(self.index.match(keys), (len(prompt) - 1) // self.block_size)
+    return max(usable, 0) * self.block_size
+
   def lookup(self, h: RequestHandle) -> list:
     """The cached blocks a prefill of `h` starts from (counted as a lookup)."""
     h.prefix_epoch = self.index.epoch

@@ -6,9 +6,12 @@ What:
     the model: `rollout.placement`), as a `ReplicaSet` (a lone Engine when R is 1).
   * `ReplicaSet(engines)` serves them as one engine (`rollout.server`, `pipeline.samplers`,
     the admin app take either):
-      - a request goes to the replica with the fewest completions queued or running
-        (`Engine.load`; ties round-robin); a `submit_batch` is one submission to one replica,
-        so its all-or-nothing queueing and its shared prefill hold as on one engine;
+      - a request goes to the replica whose prefix cache holds the longest prefix of its prompt
+        (a conversation's next turn, another attempt of a prompt: `Engine.cached_prefix_tokens`)
+        unless that one is more than a batch busier than the least loaded; otherwise to the
+        replica with the fewest completions queued or running (`Engine.load`; ties
+        round-robin); a `submit_batch` is one submission to one replica, so its all-or-nothing
+        queueing and its shared prefill hold as on one engine;
       - `swap_weights` checks the new weights once, packs them onto every replica's devices,
         then hands every replica the swap to the same version at once and returns when all
         serve it; `swap_delta` applies a delta to the set's host weights once and swaps the
@@ -44,6 +47,7 @@ import jax
 from moe import sharding as moe_sharding
 from moe.config import ModelConfig
 from rollout import delta_swap
+from rollout import prefix_cache
 from rollout import weight_checks
 from rollout.engine import Engine, EngineConfig, EngineStopped
 from rollout.sampling import SamplingParams
@@ -174,35 +178,57 @@ class ReplicaSet:
     return sum(e.load() for e in self.engines)
 
   # ------------------------------------------------------------------ requests
-  def _submit(self, fn: Callable[[Engine], object]):
-    """`fn(replica)` on the running replica with the least load; ties go round-robin, so that
-    requests sent one after another (each done before the next) still reach every replica."""
+  def _submit(self, fn: Callable[[Engine], object], prompt: Optional[Sequence[int]] = None):
+    """`fn(replica)` on the replica `pick` chooses for `prompt`."""
     with self._lock:
-      n = len(self.engines)
-      live = [(e.load(), (i - self._next) % n, i) for i, e in enumerate(self.engines)
-              if e.running]
-      if not live:
-        raise EngineStopped("no replica is running")
-      i = min(live)[2]
-      self._next = (i + 1) % n
+      i = self.pick(prompt)
+      self._next = (i + 1) % len(self.engines)
       return fn(self.engines[i])
+
+  def pick(self, prompt: Optional[Sequence[int]] = None) -> int:
+    """The running replica a request for `prompt` goes to.
+
+    The replica whose prefix cache holds the longest prefix of `prompt` (a conversation's next
+    turn, another attempt of a prompt), unless it is busier than the least loaded one by more
+    than a batch (`max_slots` completions): then, as for a prompt no replica has cached, the
+    least loaded. Ties go round-robin, so that requests sent one after another (each done
+    before the next) still reach every replica.
+    """
+    n = len(self.engines)
+    live = [(e.load(), (i - self._next) % n, i) for i, e in enumerate(self.engines)
+            if e.running]
+    if not live:
+      raise EngineStopped("no replica is running")
+    least = min(live)
+    if prompt is None:
+      return least[2]
+    keys = prefix_cache.chain_keys(list(prompt), self.config.prefix_block_size)
+    if not keys:
+      return least[2]
+    cached = {i: self.engines[i].cached_prefix_tokens(prompt, keys) for _, _, i in live}
+    near = [(-cached[i], load, rr, i) for load, rr, i in live
+            if load <= least[0] + self.config.max_slots]
+    best = min(near)
+    return best[3] if best[0] < 0 else least[2]
 
   def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams = SamplingParams(),
              *, timeout: Optional[float] = None, on_tokens: Optional[Callable] = None):
-    """`Engine.submit` on the least-loaded replica."""
+    """`Engine.submit` on the replica `pick` chooses."""
     return self._submit(lambda e: e.submit(prompt_token_ids, params, timeout=timeout,
-                                           on_tokens=on_tokens))
+                                           on_tokens=on_tokens), prompt_token_ids)
 
   def submit_batch(self, prompts: Sequence[Sequence[int]],
                    params: SamplingParams = SamplingParams(), *,
                    timeout: Optional[float] = None, on_tokens: Optional[Callable] = None) -> list:
-    """`Engine.submit_batch` on the least-loaded replica (the batch stays together)."""
+    """`Engine.submit_batch` on the replica `pick` chooses for its first prompt (the batch stays
+    together)."""
     return self._submit(lambda e: e.submit_batch(prompts, params, timeout=timeout,
-                                                 on_tokens=on_tokens))
+                                                 on_tokens=on_tokens),
+                        prompts[0] if prompts else None)
 
   def generate(self, prompt_token_ids: Sequence[int], **kw) -> list:
-    """`Engine.generate` (blocking) on the least-loaded replica."""
-    return self._submit(lambda e: e).generate(prompt_token_ids, **kw)
+    """`Engine.generate` (blocking) on the replica `pick` chooses."""
+    return self._submit(lambda e: e, prompt_token_ids).generate(prompt_token_ids, **kw)
 
   # ------------------------------------------------------------------ weights
   def current_flat(self) -> dict:

@@ -156,6 +156,28 @@ def _swap_mid_request(engine, engines, prompts, new_flat, version) -> tuple:
   return [h.result(TIMEOUT_S)[0] for h in handles], out
 
 
+def test_a_conversations_next_turn_goes_to_the_replica_that_cached_its_prefix(rset,
+                                                                           monkeypatch):
+  """Turn 2 extends turn 1's prompt and completion; it goes to the replica holding that prefix
+  (round-robin alone would send it to the other) and takes it from the cache; a replica busier
+  than the least loaded by more than a batch is passed over, cache or not."""
+  turn1 = list(range(3, 43))  # two full 16-token blocks and more
+  greedy = SamplingParams(max_tokens=4, temperature=0.0)
+  before = [e.stats["requests_total"] for e in rset.engines]
+  first = rset.submit(turn1, greedy).result(TIMEOUT_S)[0]
+  r = [e.stats["requests_total"] - b for e, b in zip(rset.engines, before)].index(1)
+  turn2 = turn1 + first.token_ids + [60, 61, 62]
+  assert rset.engines[r].cached_prefix_tokens(turn2) >= 32
+  assert rset.engines[1 - r].cached_prefix_tokens(turn2) == 0
+  assert rset.pick(list(range(100, 140))) == 1 - r  # nothing cached: round-robin moves on
+  before = [e.stats["requests_total"] for e in rset.engines]
+  second = rset.submit(turn2, greedy).result(TIMEOUT_S)[0]
+  assert [e.stats["requests_total"] - b for e, b in zip(rset.engines, before)][r] == 1
+  assert second.cached_tokens >= 32
+  monkeypatch.setattr(rset.engines[r], "load", lambda: EC.max_slots + 1)
+  assert rset.pick(turn2) == 1 - r
+
+
 def test_a_swap_reaches_every_replica_mid_request_and_versions_are_recorded(single, rset):
   v0 = rset.version
   new = _perturbed(FLAT, 1)
