@@ -17,8 +17,9 @@ The same `spec.Experiment` the local executor runs, placed by Ray instead of run
     to the job's `max_restarts`. A dead node's bundles are placed again by Ray on nodes with
     room, and the restarted actor (Ray's `max_restarts`) starts the program there at once and
     registers its new address. Jobs of one `gang` (the processes of one jax.distributed
-    learner) are restarted together once every member is back up. The program's child dies with
-    its actor (PR_SET_PDEATHSIG), so a killed actor leaves nothing running.
+    learner) are stopped together when one goes down and started together once every
+    member's actor is back up. The program dies with its actor (PR_SET_PDEATHSIG), so a
+    killed actor leaves nothing running.
 
 Why a child process and not the part's code inside the actor: the parts are whole programs (a
 JAX runtime each, jax.distributed, signal handling, sandboxes forked from them), the same ones
@@ -123,6 +124,7 @@ class _JobLaunch:
   params: dict
   registry: str   # the registry actor's name ...
   namespace: str  # ... in the run's namespace
+  auto_start: bool  # start the program when Ray restarts the actor (not a gang's: the driver)
 
 
 class _JobActor:
@@ -149,7 +151,7 @@ class _JobActor:
                                                             self.node))
     self._refresh()
     threading.Thread(target=self._refresh_loop, daemon=True, name="address-refresh").start()
-    if started:  # Ray restarted this actor (its node died): run the program again at once
+    if started and job.auto_start:  # Ray restarted this actor (its node died): run again
       self.start()
 
   # ---------------------------------------------------------------- addresses
@@ -247,7 +249,8 @@ class _Tracked:
   deaths: int = 0          # actor deaths seen (node lost, actor killed)
   failures_restarted: int = 0
   seen_starts: int = 0     # program starts the driver has seen
-  gang_restart: bool = False  # restart once every gang member is up
+  gang_pending: bool = False  # waits to start again with its gang
+  down_since: float = 0.0     # time.monotonic() when it went down (RESTARTING)
 
   @property
   def restarts_used(self) -> int:
@@ -308,7 +311,7 @@ class RayRun:
                             cwd=ex.repo_root, log_path=t.status.log_path, want_port=t.job.port,
                             experiment=self.experiment.name, experiment_dir=self.dir,
                             params=_jsonable(wu.params), registry=f"registry-wu{i}",
-                            namespace=self.namespace)
+                            namespace=self.namespace, auto_start=t.job.gang is None)
         res = t.job.resources
         t.actor = actor_cls.options(
             num_cpus=res.num_cpus, num_gpus=res.num_gpus, memory=res.memory or None,
@@ -338,34 +341,55 @@ class RayRun:
     ray = self._ray
     live = [(t, t.actor.poll.remote()) for jobs in self.units for t in jobs.values()
             if t.status.state in (RUNNING, RESTARTING)]
+    # One bounded wait for all: a call to an actor Ray is placing again waits in its queue,
+    # and must not hold up the others' answers.
+    ready, _ = ray.wait([ref for _, ref in live], num_returns=len(live),
+                        timeout=self.executor.poll_timeout_s)
+    ready = set(ready)
     failed = []
+    up = set()  # the jobs whose actor answered
+    now = time.monotonic()
     for t, ref in live:
       st = t.status
+      if ref not in ready:
+        if st.state == RESTARTING and now - t.down_since > self.executor.restart_timeout_s:
+          st.state, st.ended_s = FAILED, time.time()
+          self._say(f"[{st.work_unit}/{st.name}] not placed again in "
+                    f"{self.executor.restart_timeout_s:g}s (no room on the cluster?)")
+          failed.append(st)
+          self._write_status()
+        continue
       try:
-        got = ray.get(ref, timeout=self.executor.poll_timeout_s)
-      except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
-        if st.state == RUNNING and isinstance(e, ray.exceptions.RayActorError):
+        got = ray.get(ref)
+      except ray.exceptions.RayActorError as e:
+        if e.actor_init_failed:  # it cannot start anywhere: a broken job, not a lost node
+          st.state, st.ended_s = FAILED, time.time()
+          self._say(f"[{st.work_unit}/{st.name}] its actor failed to start: {e}")
+          failed.append(st)
+          self._write_status()
+        elif st.state == RUNNING:
           t.deaths += 1
           if t.restarts_used > t.job.max_restarts:
             st.state, st.ended_s = FAILED, time.time()
             self._say(f"[{st.work_unit}/{st.name}] its actor died and it has no restarts left")
             failed.append(st)
           else:
-            st.state = RESTARTING
+            st.state, t.down_since = RESTARTING, now
             self._say(f"[{st.work_unit}/{st.name}] its actor died (node lost or killed): "
                       f"Ray places it again (restart {t.restarts_used} of "
                       f"{t.job.max_restarts})")
-            self._gang_restart(t)
+            self._restart_gang(t)
           self._write_status()
         continue
+      up.add(id(t))
       self._note_where(t, got)
       if got["starts"] > t.seen_starts:  # a new start (after a restart): note and go on
         t.seen_starts = got["starts"]
         st.restarts = got["starts"] - 1
-        if st.state == RESTARTING:
+        if st.state == RESTARTING and not t.gang_pending:
           st.state = RUNNING
-          self._say(f"[{st.work_unit}/{st.name}] running again on node {st.node[:12]} at "
-                    f"{st.host}:{st.port}")
+          where = f" at {st.host}:{st.port}" if st.port else ""
+          self._say(f"[{st.work_unit}/{st.name}] running again on node {st.node[:12]}{where}")
         self._write_status()
       rc = got["returncode"]
       if rc is None or st.state != RUNNING:
@@ -375,52 +399,69 @@ class RayRun:
         st.state, st.ended_s = SUCCEEDED, time.time()
       elif t.stop_requested:
         st.state, st.ended_s = STOPPED, time.time()
-      elif self._gang_member_down(t):
-        t.gang_restart = True  # its gang's coordinator went away: restarted with the gang
-        continue
       elif t.restarts_used < t.job.max_restarts:
         t.failures_restarted += 1
         self._say(f"[{st.work_unit}/{st.name}] failed (exit code {rc}): restarting "
                   f"({t.restarts_used} of {t.job.max_restarts})")
-        t.actor.restart.remote(self.executor.grace_s)
-        self._gang_restart(t)
+        if t.job.gang is None:
+          t.actor.restart.remote(self.executor.grace_s)
+        else:
+          st.state, t.down_since = RESTARTING, now
+          self._restart_gang(t)
+        self._write_status()
         continue
       else:
         st.state, st.ended_s = FAILED, time.time()
         failed.append(st)
       self._say(f"[{st.work_unit}/{st.name}] {st.state} (exit code {rc})")
       self._write_status()
-    self._run_gang_restarts()
+    self._start_ready_gangs(up)
     return failed
 
   def _gang(self, t: _Tracked) -> list[_Tracked]:
+    """`t`'s gang, `t` included ([] when it has none)."""
     if t.job.gang is None:
       return []
-    return [o for o in self.units[t.status.work_unit].values()
-            if o is not t and o.job.gang == t.job.gang]
+    return [o for o in self.units[t.status.work_unit].values() if o.job.gang == t.job.gang]
 
-  def _gang_restart(self, t: _Tracked) -> None:
-    for o in self._gang(t):
-      if o.status.state in (RUNNING, RESTARTING):
-        o.gang_restart = True
+  def _restart_gang(self, t: _Tracked) -> None:
+    """`t` (of a gang) went down: stops the programs of the rest of its gang, which then wait,
+    with it, until every member's actor is up (`_start_ready_gangs`). One process of a
+    jax.distributed runtime cannot rejoin the others: they start again together."""
+    members = self._gang(t)
+    for o in members:
+      o.gang_pending = True
+      if o is t or o.status.state != RUNNING:
+        continue
+      o.status.state, o.down_since = RESTARTING, time.monotonic()
+      try:
+        self._ray.get(o.actor.stop.remote(self.executor.grace_s),
+                      timeout=self.executor.grace_s + 30)
+      except (self._ray.exceptions.RayActorError, self._ray.exceptions.GetTimeoutError):
+        pass  # its actor is gone too: Ray places it again
+    if members:
+      self._say(f"[{t.status.work_unit}/{t.status.name}] restarting its gang {t.job.gang!r} "
+                f"({', '.join(o.status.name for o in members)}) once every member is up")
 
-  def _gang_member_down(self, t: _Tracked) -> bool:
-    return any(o.status.state == RESTARTING or o.gang_restart for o in self._gang(t)) or \
-        t.gang_restart
-
-  def _run_gang_restarts(self) -> None:
-    """Restarts the gang members marked for it once none of their gang is down (the restarted
-    member has registered its new address, e.g. a new coordinator)."""
+  def _start_ready_gangs(self, up: set) -> None:
+    """Starts every gang whose members all wait and all answered this poll (a member placed
+    again on another node has registered its new address, e.g. a new coordinator)."""
+    seen = set()
     for jobs in self.units:
       for t in jobs.values():
-        if not t.gang_restart or t.status.state != RUNNING:
+        if not t.gang_pending or (t.status.work_unit, t.job.gang) in seen:
           continue
-        if any(o.status.state == RESTARTING for o in self._gang(t)):
+        seen.add((t.status.work_unit, t.job.gang))
+        members = self._gang(t)
+        if not all(o.gang_pending and o.status.state == RESTARTING and id(o) in up
+                   for o in members):
           continue
-        t.gang_restart = False
-        self._say(f"[{t.status.work_unit}/{t.status.name}] restarting with its gang "
-                  f"{t.job.gang!r}")
-        t.actor.restart.remote(self.executor.grace_s)
+        for o, where in zip(members, self._ray.get([o.actor.start.remote() for o in members])):
+          self._note_where(o, where)
+          o.seen_starts, o.status.restarts = where["starts"], where["starts"] - 1
+          o.gang_pending, o.status.state = False, RUNNING
+        self._say(f"gang {t.job.gang!r} of work unit {t.status.work_unit} started again")
+        self._write_status()
 
   # ---------------------------------------------------------------- stopping
   def stop(self, work_units: Optional[set] = None, *, reason: str = "",
@@ -571,7 +612,9 @@ class RayExecutor:
     placement_timeout_s: how long a work unit may wait for room on the cluster.
     num_cpus, object_store_memory: the local Ray's, when one is started.
     out: where launcher messages go (None: silent).
-    poll_s: status polling period; poll_timeout_s: how long one poll may take.
+    poll_s: status polling period; poll_timeout_s: how long one poll waits for answers.
+    restart_timeout_s: how long a job whose actor died may take to run again (its node's
+      bundle placed again, its actor restarted) before it counts as failed.
   """
   root_dir: str
   ray_address: Optional[str] = None
@@ -586,7 +629,8 @@ class RayExecutor:
   object_store_memory: int = 100 << 20
   out: Optional[TextIO] = dataclasses.field(default_factory=lambda: sys.stdout)
   poll_s: float = 0.25
-  poll_timeout_s: float = 10.0
+  poll_timeout_s: float = 2.0
+  restart_timeout_s: float = 600.0
 
   def __post_init__(self):
     if self.on_failure not in ON_FAILURE:

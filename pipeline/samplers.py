@@ -160,16 +160,24 @@ class HttpSampler:
     self.client = openai_policy.OpenAIPolicy(self.base_url, "policy", self._tokenizer,
                                              require=self._require)
 
-  def refresh(self) -> None:
-    """Follows the server to the address `resolve` gives now (no-op without `resolve`)."""
+  def _resolved(self) -> Optional[str]:
     if self._resolve is None:
-      return
+      return None
     try:
-      url = self._resolve().rstrip("/")
+      return self._resolve().rstrip("/")
     except Exception as e:  # pylint: disable=broad-except
       log.info("sampler %s: its address cannot be resolved now (%r)", self.name, e)
-      return
-    if url != self.base_url:
+      return None
+
+  def moved(self) -> bool:
+    """Whether `resolve` now gives another address than the one in use."""
+    url = self._resolved()
+    return url is not None and url != self.base_url
+
+  def refresh(self) -> None:
+    """Follows the server to the address `resolve` gives now (no-op without `resolve`)."""
+    url = self._resolved()
+    if url is not None and url != self.base_url:
       log.warning("sampler %s moved from %s to %s", self.name, self.base_url, url)
       self._connect(url)
 
@@ -280,14 +288,21 @@ class SamplerSet:
     """Probes every dead sampler whose back-off has run out; returns those that rejoined.
 
     A sampler rejoins when it answers and serves a version within `max_lag` of the newest;
-    otherwise its next probe waits twice as long (up to `max_probe_backoff_s`).
+    otherwise its next probe waits twice as long (up to `max_probe_backoff_s`). A sampler
+    found by name that now resolves to another address (`HttpSampler.moved`) is probed at
+    once.
     """
     if not self._probing.acquire(blocking=False):
       return []  # another thread is probing; one prober is enough
     try:
       now = self._clock()
       with self._lock:
-        due = [s for s in self.samplers if id(s) in self._dead and self._probe_at[id(s)] <= now]
+        dead = [s for s in self.samplers if id(s) in self._dead]
+        due = [s for s in dead if self._probe_at[id(s)] <= now]
+      # One that is back at another address (placed again on another node) is probed now,
+      # whatever its back-off, which starts over: the move says it has restarted.
+      moved = [s for s in dead if getattr(s, "moved", lambda: False)()]
+      due += [s for s in moved if s not in due]
       rejoined = []
       for s in due:
         try:
@@ -306,7 +321,8 @@ class SamplerSet:
             continue
           if why is None:
             why = f"it serves version {v}, more than {self.max_lag} behind the newest {newest}"
-          b = self._backoff[id(s)] = min(2 * self._backoff[id(s)], self.max_probe_backoff_s)
+          b = self.probe_backoff_s if s in moved else 2 * self._backoff[id(s)]
+          b = self._backoff[id(s)] = min(b, self.max_probe_backoff_s)
           self._probe_at[id(s)] = self._clock() + b
         log.info("sampler %s is still out (%s); next probe in %.1fs", s.name, why, b)
       return rejoined

@@ -120,5 +120,23 @@ def test_a_dead_sampler_is_probed_with_back_off_and_rejoins_only_with_current_we
       e.stop()
 
 
+def test_a_sampler_found_by_name_is_followed_to_its_new_address_at_once(servers):
+  """A sampler placed again elsewhere (a launcher's job on another node) comes back at another
+  address: asked by name before each probe, it rejoins there without waiting its back-off."""
+  a, b = servers(), servers()
+  where = {"s0": a.url}
+  named = samplers_lib.HttpSampler(a.url, name="@s0", resolve=lambda: where["s0"])
+  sset = samplers_lib.SamplerSet([named, samplers_lib.HttpSampler(b.url)],
+                                 probe_backoff_s=600.0, max_probe_backoff_s=600.0)
+  a.close()
+  assert sset.min_version() == 0 and sset.live() == [sset.samplers[1]]
+  assert sset.probe_dead() == []  # same address, back-off not over: not probed
+  c = servers()
+  where["s0"] = c.url  # registered again at its new address
+  assert sset.probe_dead() == [named] and named.base_url == c.url
+  params = SamplingParams(n=1, max_tokens=2, temperature=1.0, seed=1, ignore_eos=True)
+  assert len(named.submit([1, 2, 3], params, timeout=60).result(120)) == 1
+
+
 if __name__ == "__main__":
   sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))

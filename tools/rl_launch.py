@@ -41,7 +41,8 @@ def resources(num_cpus: float = 1.0, num_gpus: float = 0.0, memory: int = 0,
 @gin.configurable
 def rl_jobs(experiment_gin: str = "tools/configs/experiments/default.gin",
             steps: Optional[int] = None, learner_processes: int = 1, samplers: int = 2,
-            relays: int = 0, bindings: Sequence[str] = (), tokenizer: Optional[str] = None,
+            relays: int = 0, gin_files: Sequence[str] = (), bindings: Sequence[str] = (),
+            tokenizer: Optional[str] = None,
             init_checkpoint: Optional[str] = None,
             learner_resources: Optional[spec.Resources] = None,
             sampler_resources: Optional[spec.Resources] = None,
@@ -53,7 +54,9 @@ def rl_jobs(experiment_gin: str = "tools/configs/experiments/default.gin",
 
   Args:
     experiment_gin: the experiment every part trains with (its model, PipelineConfig, learner
-      settings, tasks); `bindings` ("RLConfig.steps=10", ...) are added to it in every part.
+      settings, tasks); `gin_files` (more tiers after it, e.g. one that has the controller grade
+      in a Ray sandbox fleet of PipelineConfig.grader_hosts hosts) and `bindings`
+      ("RLConfig.steps=10", ...) are added to it in every part.
     steps: learner steps (and the controller's groups for them); None: the experiment's.
     learner_processes: processes of one jax.distributed learner (`learner_0` is the
       coordinator; they restart together as one gang); 1: one job named `learner`.
@@ -71,7 +74,8 @@ def rl_jobs(experiment_gin: str = "tools/configs/experiments/default.gin",
   if learner_processes < 1 or samplers < 1 or relays < 0:
     raise spec.SpecError("need learner_processes >= 1, samplers >= 1 and relays >= 0")
   exe = spec.BazelBinary(target)
-  common = [f"--gin_file={experiment_gin}", *[f"--gin.{b}" for b in bindings]]
+  common = [f"--gin_file={experiment_gin}", *[f"--gin_file={f}" for f in gin_files],
+            *[f"--gin.{b}" for b in bindings]]
   if tokenizer:
     common.append(f"--tokenizer={tokenizer}")
   step_args = [f"--steps={steps}"] if steps is not None else []
