@@ -97,6 +97,10 @@ class RLConfig:
     sampler_replicas: data-parallel engines per sampler, each on its own device of the
       samplers' share (pipeline.samplers.build_engines): more rollouts per version where the
       learner is sharded over its own devices; 1 keeps the sampler on the default device.
+    sampler_expert, sampler_tensor: each engine's mesh (rollout.placement): the model's
+      experts sharded over `sampler_expert` devices, attention heads and expert hidden units
+      over `sampler_tensor`, for a model that does not fit one device; 1 x 1 is one device.
+      A sampler then takes num_samplers x sampler_replicas x expert x tensor devices in all.
     sampler_slots: decode slots per engine.
   """
   steps: int = 60
@@ -104,11 +108,16 @@ class RLConfig:
   learner: LearnerConfig = RL_LEARNER
   num_samplers: int = 1
   sampler_replicas: int = 1
+  sampler_expert: int = 1
+  sampler_tensor: int = 1
   sampler_slots: int = 64
 
   def __post_init__(self):
     if self.steps < 0 or self.num_samplers < 1 or self.sampler_replicas < 1:
       raise ValueError("RLConfig: need steps >= 0, num_samplers >= 1 and sampler_replicas >= 1")
+    if self.sampler_expert < 1 or self.sampler_tensor < 1:
+      raise ValueError(f"RLConfig: need sampler_expert >= 1 and sampler_tensor >= 1, got "
+                       f"{self.sampler_expert} and {self.sampler_tensor}")
     if self.learner.loss.objective != "policy":
       raise ValueError(f"RLConfig: the learner's objective must be 'policy', got "
                        f"{self.learner.loss.objective!r}")

@@ -272,13 +272,16 @@ def make_rl_learner(cfg: ExperimentConfig, model, mesh) -> learner_lib.Learner:
 def check_sampler_devices(cfg: ExperimentConfig, split: resources.ResourceSplit) -> None:
   """Raises ValueError unless the samplers' engines fit the samplers' share of the devices.
 
-  Sampler replicas take one device each, the first of the machine (pipeline.samplers.
-  build_engines); more of them than the share holds would run on the learner's devices.
+  Each sampler replica takes sampler_expert x sampler_tensor devices, the first of the machine
+  (pipeline.samplers.build_engines); more of them than the share holds would run on the
+  learner's devices.
   """
   r = cfg.rl
-  need = r.num_samplers * r.sampler_replicas
-  if r.sampler_replicas > 1 and need > len(split.sampler_devices):
-    raise ValueError(f"{r.num_samplers} sampler(s) x {r.sampler_replicas} replicas need {need} "
+  per = r.sampler_expert * r.sampler_tensor
+  need = r.num_samplers * r.sampler_replicas * per
+  if (r.sampler_replicas > 1 or per > 1) and need > len(split.sampler_devices):
+    raise ValueError(f"{r.num_samplers} sampler(s) x {r.sampler_replicas} replicas x {per} "
+                     f"devices need {need} "
                      f"devices but the samplers' share is {len(split.sampler_devices)} "
                      f"(ExperimentConfig.inference_fraction = {cfg.inference_fraction:.3g} of "
                      f"{len(split.sampler_devices) + len(split.learner_devices)})")
@@ -485,7 +488,8 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
           learner=rl_learner, tasks=train, pool=pool,
           workdir=os.path.join(run_dir, "rl"),
           config=r.pipeline, num_steps=r.steps, num_samplers=r.num_samplers,
-          sampler_replicas=r.sampler_replicas,
+          sampler_replicas=r.sampler_replicas, sampler_expert=r.sampler_expert,
+          sampler_tensor=r.sampler_tensor,
           engine_config=_engine_config(cfg, r.sampler_slots, eos), on_step=on_step,
           on_group=on_group, loop_config=cfg.agent.loop_config(r.pipeline.max_new_tokens, chat),
           tokenizer=tok)

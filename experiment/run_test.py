@@ -208,9 +208,18 @@ def test_sampler_replicas_must_fit_the_samplers_share_of_the_devices():
   fits = ExperimentConfig(model=TINY, rl=RLConfig(num_samplers=2, sampler_replicas=2))
   run_lib.check_sampler_devices(fits, split)
   too_many = ExperimentConfig(model=TINY, rl=RLConfig(num_samplers=3, sampler_replicas=2))
-  with pytest.raises(ValueError, match=r"3 sampler\(s\) x 2 replicas need 6 devices but the "
-                     r"samplers' share is 4 \(ExperimentConfig.inference_fraction = 0.333 of 12\)"):
+  with pytest.raises(ValueError, match=r"3 sampler\(s\) x 2 replicas x 1 devices need 6 devices "
+                     r"but the samplers' share is 4 \(ExperimentConfig.inference_fraction = "
+                     r"0.333 of 12\)"):
     run_lib.check_sampler_devices(too_many, split)
+  # Sharded engines: each replica takes expert x tensor devices.
+  run_lib.check_sampler_devices(ExperimentConfig(model=TINY, rl=RLConfig(
+      sampler_replicas=2, sampler_expert=2)), split)
+  with pytest.raises(ValueError, match=r"1 sampler\(s\) x 1 replicas x 8 devices need 8"):
+    run_lib.check_sampler_devices(ExperimentConfig(model=TINY, rl=RLConfig(
+        sampler_expert=4, sampler_tensor=2)), split)
+  with pytest.raises(ValueError, match="sampler_expert >= 1"):
+    RLConfig(sampler_tensor=0)
   # One engine per sampler on the default device, shared with the learner on a 1-device machine.
   run_lib.check_sampler_devices(ExperimentConfig(model=TINY, rl=RLConfig(num_samplers=2)),
                                 resources.split_devices([0], 1 / 3))

@@ -165,7 +165,8 @@ class RunResult:
 
 
 def run(*, learner, tasks: Sequence, pool, workdir: str, config: PipelineConfig, num_steps: int,
-        num_samplers: int = 1, sampler_replicas: int = 1,
+        num_samplers: int = 1, sampler_replicas: int = 1, sampler_expert: int = 1,
+        sampler_tensor: int = 1,
         engine_config: EngineConfig = EngineConfig(),
         reward_config=reward_lib.RewardConfig(), include_routing: bool = True,
         checkpoints=None, checkpoint_every: int = 0,
@@ -190,6 +191,8 @@ def run(*, learner, tasks: Sequence, pool, workdir: str, config: PipelineConfig,
     num_samplers: in-process samplers.
     sampler_replicas: data-parallel engines per sampler, each on its own device
       (`pipeline.samplers.build_engines`; needs num_samplers x sampler_replicas devices).
+    sampler_expert, sampler_tensor: each engine sharded over that many devices (expert and
+      tensor parallel, `rollout.placement`); multiplies the devices needed.
     engine_config: their settings.
     checkpoints / checkpoint_every: learner checkpointing (restored first if one exists).
     on_step(step, metrics, info) / on_group(GroupResult): progress callbacks.
@@ -241,7 +244,8 @@ def run(*, learner, tasks: Sequence, pool, workdir: str, config: PipelineConfig,
   flat0, v0 = publisher_lib.restore(channel.store)
   engines, subscribers, threads = [], [], []
   for i, eng in enumerate(samplers_lib.build_engines(
-      flat0, cfg, count=num_samplers, replicas=sampler_replicas, config=engine_config,
+      flat0, cfg, count=num_samplers, replicas=sampler_replicas, expert=sampler_expert,
+      tensor=sampler_tensor, config=engine_config,
       version=v0, tokenizer=tokenizer)):
     sub = subscriber_lib.Subscriber(channel.store, swap_into(eng))
     sub.adopt(flat0, v0, publisher_lib.read_manifest(channel.store, v0).digest)

@@ -1,7 +1,7 @@
 """The pipeline's samplers as data-parallel replicas (pipeline.samplers.build_engines,
 rollout.replicas) on 8 CPU devices: the layout over the devices, requests through the
 SamplerSet reaching every replica, a subscriber's swap reaching every replica at one version,
-and the in-process pipeline run with `sampler_replicas=2`."""
+and the in-process pipeline run with `sampler_replicas=2, sampler_expert=2`."""
 
 import os
 
@@ -88,15 +88,18 @@ def pool():
   p.close()
 
 
-def test_the_pipeline_runs_with_replicated_samplers(pool, tmp_path):
+def test_the_pipeline_runs_with_replicated_sharded_samplers(pool, tmp_path):
+  """Two replicas, each sharding the model's experts over two devices."""
   seen = {}
   res = local.run(learner=testing.learner(1), tasks=testing.tasks(), pool=pool,
                   workdir=str(tmp_path), config=testing.config(max_staleness=1), num_steps=2,
-                  num_samplers=1, sampler_replicas=2, engine_config=testing.ENGINE,
-                  after_start=seen.update)
+                  num_samplers=1, sampler_replicas=2, sampler_expert=2,
+                  engine_config=testing.ENGINE, after_start=seen.update)
   assert res.steps == 2 and res.batcher["infra_failures"] == 0
   (rs,) = seen["engines"]
   assert isinstance(rs, replicas.ReplicaSet) and len(rs.engines) == 2
+  devs = jax.devices()
+  assert [e.placement.devices for e in rs.engines] == [devs[0:2], devs[2:4]]
   # Both replicas sampled episodes, and the weights the learner published reached both.
   assert all(e.stats["requests_total"] >= 1 for e in rs.engines)
   versions = [e.version for e in rs.engines]
