@@ -390,10 +390,16 @@ def run_relay(workdir: str, *, port: int, upstream: Optional[Sequence[str]] = No
 def run_sampler(workdir: str, *, port: int, max_slots: int = 64, max_len: int = 256,
                 sync_interval_s: float = 0.05, stale_versions: int = 2,
                 stale_s: float = 60.0, tokenizer_dir: Optional[str] = None,
-                weight_urls: Optional[Sequence[str]] = None, host: str = "127.0.0.1") -> None:
+                weight_urls: Optional[Sequence[str]] = None, host: str = "127.0.0.1",
+                replicas: int = 1, expert: int = 1, tensor: int = 1) -> None:
   """Serves the newest published weights over HTTP on `host`:`port` and follows new versions
   (blocking). `host`: the address to bind, the one peers reach it at (a cluster node's own
   address when the controller runs on another node).
+
+  `replicas`, `expert`, `tensor`: the engine's layout over this process's devices, as the
+  in-process samplers' (`pipeline.samplers.build_engines`: data-parallel replicas behind the
+  one server, each sharded over expert x tensor devices); the weights it follows reach every
+  replica at one version.
 
   It starts on the newest version it can restore (`wait_for_weights`: around a damaged delta,
   asking the learner for a snapshot) and follows from there, reading the weights from the work
@@ -416,17 +422,20 @@ def run_sampler(workdir: str, *, port: int, max_slots: int = 64, max_len: int = 
   """
   from pipeline import sharded_weights  # pylint: disable=g-import-not-at-top
   from pipeline.local import swap_into  # pylint: disable=g-import-not-at-top
+  from pipeline import samplers  # pylint: disable=g-import-not-at-top
   from rollout import server  # pylint: disable=g-import-not-at-top
-  from rollout.engine import Engine, EngineConfig  # pylint: disable=g-import-not-at-top
+  from rollout.engine import EngineConfig  # pylint: disable=g-import-not-at-top
   tok = load_tokenizer(tokenizer_dir)  # a missing file fails before the wait for weights
   store, sub = wait_for_weights(weight_source(workdir, weight_urls), name=f"sampler-{port}")
   cfg, info = _model_config_of(store, sub.version,
                                sharded=isinstance(sub, sharded_weights.ShardedFollower))
   check_tokenizer(tok, cfg, info.get("tokenizer"), part="sampler", tokenizer_dir=tokenizer_dir)
   tok = load_tokenizer(tokenizer_dir, cfg.vocab_size)  # now with the model's ids
-  engine = Engine.from_flat(sub.weights, cfg, version=sub.version, tokenizer=tok,
-                            config=EngineConfig(max_slots=max_slots, max_len=max_len,
-                                                eos_token_ids=eos_token_ids(tokenizer_dir, tok)))
+  ec = EngineConfig(max_slots=max_slots, max_len=max_len,
+                    eos_token_ids=eos_token_ids(tokenizer_dir, tok))
+  (engine,) = samplers.build_engines(sub.weights, cfg, replicas=replicas, expert=expert,
+                                     tensor=tensor, config=ec, tokenizer=tok,
+                                     version=sub.version)
   sub.apply_fn = swap_into(engine)
   stop = threading.Event()
   threading.Thread(target=sub.run, args=(stop, sync_interval_s), daemon=True,

@@ -1,5 +1,6 @@
 """The pipeline as separate processes (learner, two samplers, controller) over a shared work
-directory and HTTP; one sampler is killed mid-run and its requests go to the other. A sampler
+directory and HTTP; one sampler is killed mid-run and its requests go to the other (two
+data-parallel replicas of an expert-sharded engine behind one server). A sampler
 readies the delta kernels at start-up, before any weights exist. The learner publishes in the
 sampler's dtype and reports each published version's bytes and compression ratio."""
 
@@ -44,9 +45,12 @@ def test_separate_processes_with_a_sampler_killed(tmp_path):
 processes.run_learner({work!r}, testing.MODEL, cfg, testing.LEARNER, steps=3)
 """, logs["learner"])
     ports = [testing.free_port(), testing.free_port()]
+    # Sampler 1: two data-parallel replicas, each sharding the experts over two devices.
+    layouts = ["", ", replicas=2, expert=2"]
+    devices = ["", 'import os\nos.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"']
     for i, port in enumerate(ports):
-      procs[f"s{i}"] = testing.spawn(PRELUDE + f"""
-processes.run_sampler({work!r}, port={port}, max_slots=8, max_len=128)
+      procs[f"s{i}"] = testing.spawn(devices[i] + PRELUDE + f"""
+processes.run_sampler({work!r}, port={port}, max_slots=8, max_len=128{layouts[i]})
 """, logs[f"s{i}"])
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     for i, u in enumerate(urls):
@@ -69,6 +73,11 @@ print("groups written", n)
     os.killpg(procs["s0"].pid, signal.SIGKILL)
     assert procs["controller"].wait(timeout=600) == 0, open(logs["controller"]).read()[-3000:]
     assert procs["learner"].wait(timeout=600) == 0, open(logs["learner"]).read()[-3000:]
+    # Sampler 1's replicas both served (after sampler 0 died, all of the work was theirs).
+    with urllib.request.urlopen(urls[1] + "/metrics", timeout=5) as r:
+      served = [float(l.split()[-1]) for l in r.read().decode().splitlines()
+                if l.startswith("rollout_replica_requests_total{")]
+    assert len(served) == 2 and min(served) >= 1, served
   finally:
     for p in procs.values():
       if p.poll() is None:

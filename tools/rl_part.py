@@ -162,7 +162,9 @@ def _run_part(parser: argparse.ArgumentParser, args, cfg, steps: int) -> int:
     else:
       processes.run_sampler(args.workdir, port=port, max_slots=cfg.rl.sampler_slots,
                             max_len=cfg.model.max_seq_len, tokenizer_dir=args.tokenizer,
-                            weight_urls=_urls(args.weights_via) or None, host=host)
+                            weight_urls=_urls(args.weights_via) or None, host=host,
+                            replicas=cfg.rl.sampler_replicas, expert=cfg.rl.sampler_expert,
+                            tensor=cfg.rl.sampler_tensor)
   else:
     urls = [s for s in args.samplers.split(",") if s]  # @names resolved as they are used
     if not urls:
