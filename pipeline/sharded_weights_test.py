@@ -100,6 +100,36 @@ def test_a_follower_assembles_what_the_learner_processes_published(tmp_path):
   assert follower.health_problem(max_behind_versions=0, max_stale_s=0) is None
 
 
+def test_a_sampler_follows_a_sharded_store_through_a_relay(tmp_path):
+  """The relays move the blocks of a sharded store like any other object: a follower reading
+  through a relay assembles the same tensors and follows new versions."""
+  work = str(tmp_path / "work")
+  learner = _Learner(processes.paths(work)["weights"])
+  learner.publish(0)
+  port, stop = testing.free_port(), threading.Event()
+  relay = threading.Thread(target=processes.run_relay, args=(work,),
+                           kwargs=dict(port=port, stop=stop), daemon=True)
+  relay.start()
+  try:
+    source = processes.weight_source(work, [f"http://127.0.0.1:{port}"])
+    store, follower = processes.wait_for_weights(source, timeout_s=TIMEOUT_S, name="s")
+    assert isinstance(follower, sharded_weights.ShardedFollower) and follower.version == 0
+    for name, want in _model(0).items():
+      np.testing.assert_array_equal(follower.weights[name], want)
+    applied = []
+    follower.apply_fn = lambda flat, v: applied.append((v, flat))
+    learner.publish(1)
+    waiting.wait_until(lambda: follower.poll() is not None or applied,
+                       "the follower to reach version 1 through the relay", timeout_s=TIMEOUT_S)
+    assert [v for v, _ in applied] == [1]
+    for name, want in _model(1).items():
+      np.testing.assert_array_equal(applied[0][1][name], want)
+    assert store is source
+  finally:
+    stop.set()
+    relay.join(TIMEOUT_S)
+
+
 # The sync thread ends on the SystemExit it is made to die of, which pytest reports as a warning.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_health_names_a_follower_left_behind_and_a_dead_sync_thread(tmp_path):

@@ -5,7 +5,8 @@ upstream is either a `store.Store` (then it is the origin, next to the learner) 
 a parent relay (then it is a cluster relay). Immutable objects (versioned keys) are fetched
 from upstream once, concurrent requests for the same key share that one fetch, and the result
 is cached (LRU by bytes); indexes (`INDEX.json`, and a sharded version's, `manifest.is_mutable`)
-are refetched after a short TTL. `warm()` pulls the newest version's manifest and delta before
+are refetched after a short TTL, and a root index refetched drops the shards' (so a shard's
+index served is never older than the root one served before it). `warm()` pulls the newest version's manifest and delta before
 samplers ask, so a cluster's samplers never wait on the WAN one by one. `RelayServer` runs a
 relay on its own thread (tests, tools).
 
@@ -26,6 +27,7 @@ from sync import transport
 from sync import manifest as manifest_lib
 
 _SLICE = 256 << 10
+_ROOT_INDEXES = (manifest_lib.INDEX_KEY, manifest_lib.SHARDED_INDEX_KEY)
 
 
 class _StoreUpstream:
@@ -78,6 +80,12 @@ class Relay:
       t, data = self._index.get(key, (0.0, None))
       if data is None or time.monotonic() - t > self.index_ttl_s:
         data = await self._up.get(key)
+        if key in _ROOT_INDEXES:
+          # A shard's index is never older than the root index served before it: a sampler
+          # that read a new version in the root goes on to find it in every shard's index
+          # (the learner writes those first), not in one cached a moment before.
+          for k in [k for k in self._index if k not in _ROOT_INDEXES]:
+            del self._index[k]
         self._index[key] = (time.monotonic(), data)
       return data
     if key in self._cache:
