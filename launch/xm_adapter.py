@@ -7,6 +7,11 @@ work unit whose jobs carry the args and the discovery environment. `to_xm(...)` 
 commands, all with `xm_local.LocalSpec()`) and `launch(...)` packages them and adds one
 `xm.JobGroup` per work unit to an `xm_local` experiment.
 
+Services (`spec.Job.service`: jobs that serve until the rest of their work unit has ended, such
+as tools/configs/launch/rl.gin's samplers and relays) are refused (`plan` raises
+XManagerUnsupported, naming the executors that stop them): an xm job group has no notion of a
+job stopped when the others end, so under xm_local the work unit would never end.
+
 Discovery: xm_local gives jobs no address map, so ports are reserved here (every xm_local job runs
 on this machine) and written to the same `jobs.json` files the local executor writes; jobs get
 the same LAUNCH_* variables (`launch.discovery`), so job code cannot tell the executors apart.
@@ -36,6 +41,10 @@ from launch import targets
 
 class XManagerUnavailable(RuntimeError):
   """`import xmanager` failed."""
+
+
+class XManagerUnsupported(spec.SpecError):
+  """The experiment needs what the XManager adapter cannot give it (services)."""
 
 
 def available() -> bool:
@@ -96,7 +105,19 @@ def _package_of(exe: spec.Executable, bazel_args: Sequence[str]) -> PackagePlan:
 
 def plan(experiment: spec.Experiment, exp_dir: str, *, host: str = "127.0.0.1",
          repo_root: Optional[str] = None, bazel_args: Sequence[str] = ()) -> Plan:
-  """Maps the experiment; reserves ports and writes each work unit's jobs.json under exp_dir."""
+  """Maps the experiment; reserves ports and writes each work unit's jobs.json under exp_dir.
+
+  Raises:
+    XManagerUnsupported: a job is a service (see the module docstring), before anything is
+      written or reserved.
+  """
+  services = sorted({j.name for wu in experiment.work_units for j in wu.jobs if j.service})
+  if services:
+    raise XManagerUnsupported(
+        f"experiment {experiment.name!r}: jobs {', '.join(services)} are services (they serve "
+        "until the rest of their work unit ends, then the executor stops them); the xm "
+        "executor cannot stop them, so the work unit would never end. Run it with the local "
+        "executor (--executor=local) or on a Ray cluster (--executor=ray).")
   repo_root = os.path.abspath(repo_root or targets.workspace_root())
   packages: dict[spec.Executable, int] = {}
   ordered: list[PackagePlan] = []

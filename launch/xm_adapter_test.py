@@ -50,6 +50,30 @@ def test_plan_maps_executables_once_and_jobs_per_work_unit(tmp_path):
     assert json.load(f)["params"] == {"learner.lr": 0.2}
 
 
+def test_services_are_refused_naming_the_executors_that_stop_them(tmp_path):
+  """rl.gin's shape: samplers and relays serve until the learner and controller end; xm_local
+  would never stop them, so the adapter refuses before it writes or reserves anything."""
+  jobs = [spec.Job("learner", spec.BazelBinary("//tools:rl_part"), ["learner"], port=False),
+          spec.Job("relay_0", spec.BazelBinary("//tools:rl_part"), ["relay"], service=True),
+          spec.Job("sampler_0", spec.BazelBinary("//tools:rl_part"), ["sampler"], service=True),
+          spec.Job("controller", spec.BazelBinary("//tools:rl_part"), ["controller"])]
+  exp = spec.sweep("rl", jobs, [{}])
+  exp_dir = tmp_path / "exp"
+  with pytest.raises(xm_adapter.XManagerUnsupported,
+                     match=r"jobs relay_0, sampler_0 are services.*--executor=local.*"
+                           r"--executor=ray"):
+    xm_adapter.plan(exp, str(exp_dir))
+  assert not exp_dir.exists()
+  with pytest.raises(xm_adapter.XManagerUnsupported):
+    xm_adapter.launch(exp, str(exp_dir))
+  # A SpecError: //tools:launch reports it as `error: ...` (exit status 2), no traceback.
+  assert issubclass(xm_adapter.XManagerUnsupported, spec.SpecError)
+  # Without the services the same jobs are planned.
+  plain = spec.sweep("rl", [j for j in jobs if not j.service], [{}])
+  assert [j.name for j in xm_adapter.plan(plain, str(exp_dir)).work_units[0]] == [
+      "learner", "controller"]
+
+
 def test_without_xmanager_the_adapter_says_how_to_install_it(tmp_path, monkeypatch):
   real_import = xm_adapter.importlib.import_module
 
