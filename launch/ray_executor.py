@@ -12,7 +12,8 @@ The same `spec.Experiment` the local executor runs, placed by Ray instead of run
     child process, exactly the command the local executor would run (`launch.targets`), with the
     same LAUNCH_* discovery environment. The job's program cannot tell the executors apart: it
     asks `launch.discovery.address_of("sampler_0")` in both, and its actor keeps the node-local
-    address file current from the registry (see launch/discovery.py).
+    address file current from the registry (see launch/discovery.py). A program that uses Ray
+    itself (the controller grading in a sandbox fleet) finds the cluster in $RAY_ADDRESS.
   * Faults: a job whose program fails, or whose actor dies with its node, is started again, up
     to the job's `max_restarts`. A dead node's bundles are placed again by Ray on nodes with
     room, and the restarted actor (Ray's `max_restarts`) starts the program there at once and
@@ -185,6 +186,9 @@ class _JobActor:
     """Starts the program (the work unit's table is complete: every job registered first)."""
     self._refresh()
     env = targets.python_env(self.job.cwd)
+    # The cluster this part runs on, for a part that uses Ray itself (the controller's sandbox
+    # fleet, pipeline/grading.py): `ray.init()` without an address joins $RAY_ADDRESS's.
+    env["RAY_ADDRESS"] = self._ray.get_runtime_context().gcs_address
     env.update({discovery.JOBS_JSON: self.jobs_file, discovery.JOB_NAME: self.job.name,
                 discovery.WORK_UNIT: str(self.job.work_unit),
                 discovery.EXPERIMENT_DIR: self.job.experiment_dir})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Mapping, Optional
 
 GRADERS = ("local", "ray")
 
@@ -54,8 +55,12 @@ class PipelineConfig:
       tool calls run in the local pool either way.
     grader_hosts: the Ray fleet's host actors (grader "ray").
     grader_pool: warm sandboxes per Ray host.
+    grader_resources: custom Ray resources each fleet host takes (e.g. {"grader_node": 1}: hosts
+      only on nodes with that label, as many per node as it has units); None: any node. Hosts
+      are spread over the nodes that qualify.
     ray_address: the Ray cluster the fleet joins ("auto", "HOST:PORT", "ray://HOST:PORT"); "":
-      the Ray this process already initialised, else a local one.
+      the Ray this process already initialised, else $RAY_ADDRESS's (set for every part the
+      Ray executor starts, launch/ray_executor.py), else a new local one.
     negative_advantage_scale: multiplies the GRPO advantages of below-average attempts
       (rl.objectives.group_advantages): 1 is GRPO, 0 trains only on the attempts that did better
       than their group's mean.
@@ -80,6 +85,7 @@ class PipelineConfig:
   grader: str = "local"
   grader_hosts: int = 2
   grader_pool: int = 2
+  grader_resources: Optional[Mapping[str, float]] = None
   ray_address: str = ""
 
   def __post_init__(self):
@@ -101,6 +107,8 @@ class PipelineConfig:
     need(self.grader in GRADERS, f"grader must be one of {GRADERS}, got {self.grader!r}")
     need(self.grader_hosts >= 1 and self.grader_pool >= 1,
          "grader_hosts and grader_pool must be >= 1")
+    need(all(v > 0 for v in (self.grader_resources or {}).values()),
+         f"grader_resources must be positive amounts, got {self.grader_resources}")
     need(self.grade_workers >= 1 and self.max_request_attempts >= 1,
          "grade_workers and max_request_attempts must be >= 1")
 

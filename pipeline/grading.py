@@ -9,9 +9,11 @@ grading (`PipelineConfig.grader`).
     attempt (envs.reward.grade), as before.
   * grader "ray": grading goes to an `envs.sandbox.fleet_ray.RayFleet` -- one actor per host,
     each with its own warm pool, `grader_hosts` of them, on the Ray cluster at `ray_address`
-    (or a local Ray). Each grade is a fleet job (`envs.harness.fleet_jobs.grade_job`) submitted
-    from the controller's grading thread (`RayFleet.call`); a host that dies mid-grade has its
-    grades re-run on another host (and is replaced), and each attempt gets exactly one grade.
+    (or $RAY_ADDRESS's, which the Ray executor sets for the parts it starts, or a local Ray),
+    spread over the nodes with `grader_resources`. Each grade is a fleet job
+    (`envs.harness.fleet_jobs.grade_job`) submitted from the controller's grading thread
+    (`RayFleet.call`); a host that dies mid-grade has its grades re-run on another host (and
+    is replaced), and each attempt gets exactly one grade.
     The agent's tool calls still run in the local pool: an episode holds one sandbox for all
     its turns, each a round trip to the sampler, so moving it would put every tool call's
     files and output on the network and lose the episode with its host; grading is a single
@@ -107,6 +109,7 @@ class Sandboxes:
     if self.fleet is not None:
       out.update(self.grade_fn.summary())
       out["host_pids"] = self.fleet.host_pids()
+      out["host_nodes"] = self.fleet.host_nodes()
       out["hosts_live"] = len(self.fleet.hosts)
       out["host_failures"] = int(self.fleet.stats["host_failures"])
       out["jobs_retried"] = int(self.fleet.stats["retried"])
@@ -140,6 +143,7 @@ def open_sandboxes(config: PipelineConfig, *, pool=None, pool_size: int = 4) -> 
     per_host = -(-config.grade_workers // config.grader_hosts)
     fleet = fleet_ray.RayFleet(num_hosts=config.grader_hosts, pool_size=config.grader_pool,
                                concurrency_per_host=per_host,
+                               host_resources=dict(config.grader_resources or {}),
                                address=config.ray_address or None)
   except BaseException:
     if own:

@@ -6,9 +6,10 @@ a parent relay (then it is a cluster relay). Immutable objects (versioned keys) 
 from upstream once, concurrent requests for the same key share that one fetch, and the result
 is cached (LRU by bytes); indexes (`INDEX.json`, and a sharded version's, `manifest.is_mutable`)
 are refetched after a short TTL, and a root index refetched drops the shards' (so a shard's
-index served is never older than the root one served before it). `warm()` pulls the newest version's manifest and delta before
-samplers ask, so a cluster's samplers never wait on the WAN one by one. `RelayServer` runs a
-relay on its own thread (tests, tools).
+index served is never older than the root one served before it). `warm()` pulls the newest
+version's manifest and delta before samplers ask, so a cluster's samplers never wait on the
+WAN one by one. `RelayServer` runs a relay on its own thread (tests, tools). A parent found by
+name is followed when it moves (`resolve_upstream`, as transport.HttpSource's `resolve`).
 
 Why: across clusters the WAN is the scarce link; one relay per cluster moves each version over
 it exactly once and serves the local samplers over the cluster network. A relay never hands
@@ -41,15 +42,36 @@ class _StoreUpstream:
 
 class _HttpUpstream:
 
-  def __init__(self, urls, stats):
+  def __init__(self, urls, stats, resolve=None):
     self._urls = [urls] if isinstance(urls, str) else list(urls)
     self._stats = stats
+    self._resolve = resolve
     self._session = None
 
   async def get(self, key):
     if self._session is None:
       self._session = aiohttp.ClientSession()
-    return await transport.fetch(self._session, self._urls, key, stats=self._stats)
+    try:
+      return await transport.fetch(self._session, self._urls, key, stats=self._stats)
+    except transport.HttpError:
+      if not self._follow():
+        raise
+      return await transport.fetch(self._session, self._urls, key, stats=self._stats)
+
+  def _follow(self) -> bool:
+    """Takes the parents' URLs `resolve` gives now (a parent placed again elsewhere)."""
+    if self._resolve is None:
+      return False
+    try:
+      urls = [u.rstrip("/") for u in self._resolve()]
+    except Exception:  # pylint: disable=broad-except
+      return False
+    if not urls or urls == [u.rstrip("/") for u in self._urls]:
+      return False
+    transport.log.warning("upstream relays moved from %s to %s", ", ".join(self._urls),
+                          ", ".join(urls))
+    self._urls = urls
+    return True
 
   async def close(self):
     if self._session is not None:
@@ -59,10 +81,13 @@ class _HttpUpstream:
 class Relay:
   """Serves and caches store objects from an upstream (see module docstring)."""
 
-  def __init__(self, upstream, *, cache_bytes: int = 8 << 30, index_ttl_s: float = 0.2):
+  def __init__(self, upstream, *, cache_bytes: int = 8 << 30, index_ttl_s: float = 0.2,
+               resolve_upstream=None):
+    """`resolve_upstream`: with URLs for `upstream`, where those parents are now (asked again
+    when none of them answers, as transport.HttpSource's `resolve`)."""
     self.upstream_stats = transport.Stats()
     if isinstance(upstream, (str, list, tuple)):
-      self._up = _HttpUpstream(upstream, self.upstream_stats)
+      self._up = _HttpUpstream(upstream, self.upstream_stats, resolve_upstream)
     else:
       self._up = _StoreUpstream(upstream)
     self.cache_bytes = cache_bytes

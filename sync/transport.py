@@ -10,15 +10,25 @@ Why resume instead of retry: deltas of a 1 TB model are tens of GB; a restart fr
 hiccup would cost more than the update. Objects are immutable (versioned keys) and verified by
 hash afterwards, so stitching bytes from two relays is safe. `INDEX.json` is the one mutable
 object; it is small and always fetched whole.
+
+Relays found by name (a launcher's `@relay_0`, launch/discovery.py) may come back elsewhere: a
+cluster places a relay whose node died on another node, at another address. `HttpSource(urls,
+resolve=...)` asks `resolve` for the relays' URLs now whenever no URL could deliver an object,
+and when they changed, follows them and tries again at once (as a controller re-resolves a
+sampler that went down, pipeline/samplers.HttpSampler). A relay that is only down (the same
+address) is left to the caller's next poll.
 """
 
 import asyncio
+import logging
 import threading
+from typing import Callable, Optional, Sequence
 
 import aiohttp
 
 OBJECT_PREFIX = "/o/"
 _RETRYABLE = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
+log = logging.getLogger(__name__)
 
 
 class HttpError(IOError):
@@ -86,12 +96,19 @@ async def fetch(session: aiohttp.ClientSession, urls: list, key: str, *, attempt
 
 
 class HttpSource:
-  """A blocking `.get(key)` over relays/origins at `urls` (tried in order, resuming)."""
+  """A blocking `.get(key)` over relays/origins at `urls` (tried in order, resuming).
 
-  def __init__(self, urls, *, timeout_s: float = 60.0, attempts: int = 6):
+  `resolve`: where the relays are now (their URLs, in the same order), asked again when no URL
+  could deliver an object; None: always `urls`. `moves` counts the times it followed them.
+  """
+
+  def __init__(self, urls, *, timeout_s: float = 60.0, attempts: int = 6,
+               resolve: Optional[Callable[[], Sequence[str]]] = None):
     self.urls = [urls] if isinstance(urls, str) else list(urls)
     self.attempts = attempts
     self.stats = Stats()
+    self.moves = 0
+    self._resolve = resolve
     self._loop = asyncio.new_event_loop()
     self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
     self._thread.start()
@@ -106,8 +123,32 @@ class HttpSource:
     return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
   def get(self, key: str) -> bytes:
+    try:
+      return self._fetch(key)
+    except HttpError:
+      if not self.follow():
+        raise
+      return self._fetch(key)
+
+  def _fetch(self, key: str) -> bytes:
     return self._call(fetch(self._session, self.urls, key, attempts=self.attempts,
                             stats=self.stats))
+
+  def follow(self) -> bool:
+    """Takes the URLs `resolve` gives now; whether they differ from those in use."""
+    if self._resolve is None:
+      return False
+    try:
+      urls = [u.rstrip("/") for u in self._resolve()]
+    except Exception as e:  # pylint: disable=broad-except
+      log.info("relays %s cannot be resolved now (%r)", self.urls, e)
+      return False
+    if not urls or urls == [u.rstrip("/") for u in self.urls]:
+      return False
+    log.warning("relays moved from %s to %s", ", ".join(self.urls), ", ".join(urls))
+    self.urls = urls
+    self.moves += 1
+    return True
 
   def close(self) -> None:
     self._call(self._session.close())

@@ -5,16 +5,22 @@ faults, in one run of the tiny pipeline (tools/testing.RL_TINY_BINDINGS):
     wrote ("controller resumed at group N"), and no group is written twice or skipped;
   * the node of a sampler is removed while it has requests in flight: the sampler is placed on
     the other sampler node and registers its new address, the controller retries its requests
-    on the other sampler and follows the moved one by name;
+    on the other sampler and follows the moved one by name. The controller grades in a Ray
+    sandbox fleet (tools/configs/runs/ray_grading.gin, joining the run's cluster by itself) of
+    two hosts spread over the sampler nodes, so the node takes a fleet host with it: the host
+    is replaced on the other node and its grades re-run there, each attempt graded once;
   * at the same time the learner's node is removed: the learner is placed on the spare learner
     node, restores its last checkpoint ("learner restored at step N") and the run finishes.
 
 Then the run's summary.json: every episode generated once (no duplicates), every one read by
-the learner and trained or dropped as stale, none lost; each step in metrics.jsonl once.
+the learner and trained or dropped as stale, none lost; each step in metrics.jsonl once; the
+fleet's host failure counted, grades retried on another host, graded by more than one host
+process, as many grades as episodes.
 
 The cluster (ray.cluster_utils.Cluster): a head for the driver and the controller, two learner
-nodes (one spare) and two sampler nodes, each with its own custom resource so each part's
-placement is known; every part declares one through rl.gin's resources. About two minutes on
+nodes (one spare) and two sampler nodes (which also carry the fleet's hosts), each with its own
+custom resource so each part's placement is known; every part declares one through rl.gin's
+resources, the fleet's hosts through PipelineConfig.grader_resources. About two minutes on
 the quiet 2-core machine (the restarted parts compile again).
 """
 
@@ -39,6 +45,7 @@ STEPS = 8
 EPISODES = STEPS * 2 * 4  # prompts_per_step x attempts (RL_TINY_BINDINGS)
 WAIT_S = 240.0  # per event: a restarted part imports JAX and compiles on a loaded machine
 _MB = 1 << 20
+FLEET_LINE = "controller grading fleet "
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +57,7 @@ def cluster():
       "include_dashboard": False})
   c.learner_nodes = [c.add_node(num_cpus=1, resources={"learner_node": 1},
                                 object_store_memory=80 * _MB) for _ in range(2)]
-  c.sampler_nodes = [c.add_node(num_cpus=2, resources={"sampler_node": 2},
+  c.sampler_nodes = [c.add_node(num_cpus=2, resources={"sampler_node": 2, "grader_node": 2},
                                 object_store_memory=80 * _MB) for _ in range(2)]
   c.wait_for_nodes()
   ray.init(address=c.address, include_dashboard=False, log_to_driver=False,
@@ -61,9 +68,13 @@ def cluster():
 
 
 def _experiment(root_dir: str):
-  """rl.gin with the tiny pipeline, each part pinned to its kind of node."""
+  """rl.gin with the tiny pipeline grading in a Ray fleet, each part pinned to its kind of node
+  (the fleet's hosts to the sampler nodes)."""
+  bindings = [*testing.RL_TINY_BINDINGS, 'PipelineConfig.grader_resources={"grader_node": 1}']
   flags = testing.rl_launch_flags(
       STEPS, root_dir,
+      f"--gin.rl_jobs.bindings={json.dumps(bindings)}",
+      '--gin.rl_jobs.gin_files=["tools/configs/runs/ray_grading.gin"]',
       '--gin.learner/resources.custom={"learner_node": 1}',
       '--gin.sampler/resources.custom={"sampler_node": 1}',
       '--gin.controller/resources.custom={"head": 1}')
@@ -96,6 +107,13 @@ def _busy(run, name) -> bool:
   return any(line.split()[0] in ("rollout_active_slots", "rollout_queue_depth")
              and float(line.split()[-1]) > 0 for line in text.splitlines() if line.strip()
              and not line.startswith("#"))
+
+
+def _fleet(run) -> dict:
+  """The fleet of the controller's latest incarnation: {"host_pids", "host_nodes"} (or {})."""
+  lines = [line for line in _log(run, "controller").splitlines()
+           if line.startswith(FLEET_LINE)]
+  return json.loads(lines[-1][len(FLEET_LINE):]) if lines else {}
 
 
 def _node(cluster, node_id):
@@ -148,9 +166,13 @@ def test_rl_gin_on_ray_survives_a_controller_a_sampler_node_and_the_learner_node
              in _log(run, "controller"), "the controller back, resumed")
     # 2. A sampler's node while the sampler has requests in flight, then the learner's node
     #    (two faults at once: they recover side by side, which keeps the test short).
-    wait_for(lambda: _learner_step(run) >= 2 and _busy(run, "sampler_0"),
-             "step 2, sampler_0 busy")
+    wait_for(lambda: _learner_step(run) >= 2 and _busy(run, "sampler_0")
+             and _log(run, "controller").count(FLEET_LINE) >= 2,
+             "step 2, sampler_0 busy, the resumed controller's fleet up")
     victim = run.status("sampler_0").node
+    # The fleet's hosts are spread over both sampler nodes: the victim takes one with it.
+    hosts = _fleet(run)["host_nodes"]
+    assert victim in hosts.values() and set(hosts.values()) - {victim}, hosts
     cluster.remove_node(_node(cluster, victim))
     learner = run.status("learner").node
     step = _learner_step(run)
@@ -183,6 +205,14 @@ def test_rl_gin_on_ray_survives_a_controller_a_sampler_node_and_the_learner_node
   # The killed sampler's requests went to the other one (and it was followed by name to its
   # new address, above).
   assert unit["episodes_retried"] >= 1, unit
+  # The host on the removed node: counted as failed, its grades re-run on another host (one
+  # grade per episode, none from the controller's own pool), hosts of more than one process
+  # graded.
+  g = unit["grading"]
+  assert g["grader"] == "ray" and g["host_failures"] >= 1, g
+  assert g["jobs_retried"] >= 1 and g["retried_grades"] >= 1, g
+  assert g["grades"] == g["episodes_graded"] > 0 and g["fleet_errors"] == 0, g
+  assert len(g["grading_pids"]) >= 2, g
   with open(os.path.join(run.dir, "metrics.jsonl"), encoding="utf-8") as f:
     assert [json.loads(line)["step"] for line in f] == list(range(1, STEPS + 1))
   with open(os.path.join(run.dir, "summary.json"), encoding="utf-8") as f:

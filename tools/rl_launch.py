@@ -138,7 +138,9 @@ def summarize_unit(run_dir: str, unit: Mapping[str, Any]) -> tuple[dict, list]:
   restarts neither drop nor double them); episodes_retried: sampler requests retried on
   another sampler (controller summaries); episodes_lost: the learner's lost records (missing
   shards) plus what controllers generated but never wrote; duplicate_episodes: attempts
-  written twice (by a controller that repeated a group after a restart).
+  written twice (by a controller that repeated a group after a restart); grading: where the
+  attempts were graded, with a Ray sandbox fleet its grades, retries and host failures
+  (`_grading_counts`).
   """
   from pipeline import processes  # pylint: disable=g-import-not-at-top
   from rl import trajectory_io  # pylint: disable=g-import-not-at-top
@@ -155,6 +157,7 @@ def summarize_unit(run_dir: str, unit: Mapping[str, Any]) -> tuple[dict, list]:
   controllers = [json.loads(line[len(CONTROLLER_SUMMARY):])
                  for line in _read(jobs.get("controller", {}).get("log_path", "")).splitlines()
                  if line.startswith(CONTROLLER_SUMMARY)]
+  grading = [c["grading"] for c in controllers if c.get("grading", {}).get("grader") == "ray"]
   traj = os.path.join(run_dir, "work", "trajectories")
   ids = []
   if os.path.isdir(traj):
@@ -174,10 +177,31 @@ def summarize_unit(run_dir: str, unit: Mapping[str, Any]) -> tuple[dict, list]:
       "infra_failures": learned.get("infra_failures", 0),
       "rejected_episodes": learned.get("rejected_episodes", 0),
       "controller_runs_ended": len(controllers),
+      "grading": _grading_counts(grading, controllers) if grading else {"grader": "local"},
       "restarts": {n: j.get("restarts", 0) for n, j in jobs.items()},
       "states": {n: j["state"] for n, j in jobs.items()},
       "learner_summary": learned,
   }, [steps[s] for s in sorted(steps)]
+
+
+def _grading_counts(grading: Sequence[Mapping], controllers: Sequence[Mapping]) -> dict:
+  """The Ray sandbox fleet's counts over the controller incarnations that ended: grades, those
+  retried on another host after theirs died, host failures, the process ids that graded (each
+  a fleet host actor's), and the episodes those incarnations generated, each graded once when
+  `grades` equals it."""
+  pids = set()
+  for g in grading:
+    pids |= {g["host_pids"][h] for h, n in g.get("grades_by_host", {}).items()
+             if n and h in g.get("host_pids", {})}
+  return {"grader": "ray",
+          "grades": sum(g.get("grades", 0) for g in grading),
+          "episodes_graded": sum(c.get("episodes_generated", 0) for c in controllers
+                                 if c.get("grading", {}).get("grader") == "ray"),
+          "retried_grades": sum(g.get("retried_grades", 0) for g in grading),
+          "jobs_retried": sum(g.get("jobs_retried", 0) for g in grading),
+          "host_failures": sum(g.get("host_failures", 0) for g in grading),
+          "fleet_errors": sum(g.get("fleet_errors", 0) for g in grading),
+          "grading_pids": sorted(pids)}
 
 
 def summarize(run_dir: str, write: bool = True) -> dict:

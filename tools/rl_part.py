@@ -51,7 +51,8 @@ tools/configs/experiments/default.gin, whose model and PipelineConfig are used) 
 Under the launcher (//tools:launch with tools/configs/launch/rl.gin, locally or on Ray) parts
 find each other by job name, never by port: `--samplers=@sampler_0,@sampler_1` (asked again
 before a sampler that went down is probed, so one placed again on another node rejoins),
-`--weights_via=@relay_1,@relay_0`, `--upstream=@relay_0` and a learner's
+`--weights_via=@relay_1,@relay_0` and `--upstream=@relay_0` (asked again when none of them
+answers, so a relay placed again elsewhere is followed too) and a learner's
 `--coordinator=@learner_0`; a sampler or relay serves on the port and host the launcher
 reserved for it, and `--workdir` defaults to the run's `<experiment dir>/work`.
 A tokenizer that does not fit (pipeline.processes.TokenizerError) or a controller whose
@@ -158,13 +159,14 @@ def _run_part(parser: argparse.ArgumentParser, args, cfg, steps: int) -> int:
     host = args.host or (discovery.my_host() if discovery.under_launcher() else "127.0.0.1")
     if args.part == "relay":
       processes.run_relay(args.workdir, port=port, upstream=_urls(args.upstream) or None,
-                          host=host)
+                          host=host, resolve_upstream=_resolver(args.upstream))
     else:
       processes.run_sampler(args.workdir, port=port, max_slots=cfg.rl.sampler_slots,
                             max_len=cfg.model.max_seq_len, tokenizer_dir=args.tokenizer,
                             weight_urls=_urls(args.weights_via) or None, host=host,
                             replicas=cfg.rl.sampler_replicas, expert=cfg.rl.sampler_expert,
-                            tensor=cfg.rl.sampler_tensor)
+                            tensor=cfg.rl.sampler_tensor,
+                            resolve_weight_urls=_resolver(args.weights_via))
   else:
     urls = [s for s in args.samplers.split(",") if s]  # @names resolved as they are used
     if not urls:
@@ -189,6 +191,14 @@ def _run_part(parser: argparse.ArgumentParser, args, cfg, steps: int) -> int:
 def _urls(flag: str) -> list:
   """The comma-separated URLs of a flag, `@job` names resolved through the launcher."""
   return [_url(s) for s in flag.split(",") if s]
+
+
+def _resolver(flag: str):
+  """For a flag naming `@job`s: a function giving their URLs now (a relay placed again on
+  another node is followed); None when it names none (fixed URLs)."""
+  if not any(s.startswith("@") for s in flag.split(",")):
+    return None
+  return lambda: _urls(flag)
 
 
 def _url(s: str) -> str:

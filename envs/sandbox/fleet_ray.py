@@ -1,10 +1,12 @@
 """The Ray fleet backend: sandboxes spread over hosts, host failures retried elsewhere.
 
 One `_HostActor` per host, each owning a warm pool on its machine (actors request no CPUs, so
-several can share a small test cluster; on a real cluster pin one per node with resources or a
-placement group). The driver keeps a bounded number of jobs in flight per host. When a host's
-actor dies, every job it held is re-queued for another live host (and a replacement actor is
-started if asked); results are keyed by job id and the first result wins, so a job is never
+several can share a small test cluster). Hosts are spread over the cluster's nodes (Ray's
+SPREAD strategy) among those that have the custom resources each host asks for
+(`host_resources`, e.g. a label only worker nodes carry), so a lost node takes few hosts with
+it. The driver keeps a bounded number of jobs in flight per host. When a host's actor dies,
+every job it held is re-queued for another live host (and a replacement actor is started if
+asked); results are keyed by job id and the first result wins, so a job is never
 lost and never counted twice.
 
 Two ways in: `run(jobs)` drives a batch to the end from one thread; `call(job)` runs one job
@@ -35,12 +37,16 @@ def init_ray(address: Optional[str] = None, **kwargs):
 
   Without `address`, a local Ray with 2 CPUs and no dashboard (kwargs override: num_cpus,
   object_store_memory, ...); with one ("auto", "HOST:PORT", "ray://HOST:PORT"), the cluster's
-  own resources. Either way workers get the repository root on PYTHONPATH, so actors import
-  `envs` as the driver does. Returns the `ray` module; an initialised Ray is left as it is.
+  own resources. A process the Ray executor started (launch/ray_executor.py) has its cluster in
+  $RAY_ADDRESS and joins it without an address: `address=None` means $RAY_ADDRESS when set,
+  as for `ray.init()` itself. Either way workers get the repository root on PYTHONPATH, so
+  actors import `envs` as the driver does. Returns the `ray` module; an initialised Ray is left
+  as it is.
   """
   import ray  # pylint: disable=g-import-not-at-top
   if ray.is_initialized():
     return ray
+  address = address or os.environ.get("RAY_ADDRESS") or None
   kw: dict = {"log_to_driver": False,
               "runtime_env": {"env_vars": {"PYTHONPATH": _REPO_ROOT}}}
   if address:
@@ -63,7 +69,7 @@ def _actor_class(ray):
           size=pool_size, max_live=max_live, allow_degraded=allow_degraded))
 
     def ping(self) -> tuple:
-      return self.host.host_id, os.getpid()
+      return self.host.host_id, os.getpid(), ray.get_runtime_context().get_node_id()
 
     def pid(self) -> int:
       return os.getpid()
@@ -86,15 +92,18 @@ class RayFleet:
     concurrency_per_host: jobs running at once on a host (the actor's thread count).
     max_attempts: tries per job across host failures.
     replace_dead_hosts: start a new actor when one dies.
-    address: the Ray cluster to join when Ray is not initialised yet (`init_ray`); None starts
-      a local one.
+    host_resources: custom resources each host actor takes ({"grader_node": 1}: only on nodes
+      with that label, at most as many hosts per node as it has units).
+    address: the Ray cluster to join when Ray is not initialised yet (`init_ray`); None:
+      $RAY_ADDRESS's, else a new local one.
     ray_init: more kwargs for `ray.init` then (e.g. num_cpus, object_store_memory).
   """
 
   def __init__(self, *, num_hosts: int = 2, pool_size: int = 2, concurrency_per_host: int = 2,
                max_attempts: int = 3, replace_dead_hosts: bool = True,
-               allow_degraded: bool = False, address: Optional[str] = None,
-               ray_init: dict | None = None):
+               allow_degraded: bool = False,
+               host_resources: Optional[dict[str, float]] = None,
+               address: Optional[str] = None, ray_init: dict | None = None):
     self.ray = init_ray(address, **(ray_init or {}))
     self._cls = _actor_class(self.ray)
     self.pool_size = pool_size
@@ -102,11 +111,13 @@ class RayFleet:
     self.max_attempts = max_attempts
     self.replace_dead_hosts = replace_dead_hosts
     self.allow_degraded = allow_degraded
+    self.host_resources = dict(host_resources or {})
     self._ids = itertools.count()
     self._lock = threading.Condition()
     self.hosts: dict[str, Any] = {}
     self._pings: dict[str, Any] = {}   # host id -> its ping ref (its pid, once resolved)
     self._pids: dict[str, int] = {}
+    self._nodes: dict[str, str] = {}   # host id -> its Ray node's id
     self._inflight = collections.Counter()  # host id -> `call` jobs running there
     self.stats = collections.Counter()
     for _ in range(num_hosts):
@@ -115,7 +126,9 @@ class RayFleet:
 
   def _start_host(self) -> str:
     host_id = f"host-{next(self._ids)}"
-    h = self._cls.options(max_concurrency=self.concurrency, max_restarts=0, name=None).remote(
+    h = self._cls.options(max_concurrency=self.concurrency, max_restarts=0, name=None,
+                          resources=self.host_resources or None,
+                          scheduling_strategy="SPREAD").remote(
         host_id, self.pool_size, 2 * self.concurrency + self.pool_size, self.allow_degraded)
     self.hosts[host_id] = h
     self._pings[host_id] = h.ping.remote()
@@ -128,13 +141,20 @@ class RayFleet:
       waiting = {h: r for h, r in self._pings.items() if h not in self._pids}
     for h, ref in waiting.items():
       try:
-        _, pid = self.ray.get(ref, timeout=120)
+        _, pid, node = self.ray.get(ref, timeout=120)
       except Exception:  # pylint: disable=broad-except
         continue  # died before it answered: it ran nothing
       with self._lock:
         self._pids[h] = pid
+        self._nodes[h] = node
     with self._lock:
       return dict(self._pids)
+
+  def host_nodes(self) -> dict[str, str]:
+    """{host id: the Ray node id it runs (ran) on} of every host that answered so far."""
+    self.host_pids()
+    with self._lock:
+      return dict(self._nodes)
 
   def kill_host(self, host_id: str) -> None:
     """Kills a host's actor (and with it every sandbox it runs), as a failing machine would."""
