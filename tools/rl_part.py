@@ -5,6 +5,11 @@
   bazel run //tools:rl_part -- controller --workdir=/tmp/rl --steps=60 [--tokenizer=DIR] \
       --samplers=http://127.0.0.1:8101,http://127.0.0.1:8102
 
+A sampler lays its engine over its process's devices as the experiment's samplers do
+(RLConfig.sampler_replicas data-parallel replicas behind its one server, each sharded over
+RLConfig.sampler_expert x sampler_tensor devices); on a CPU,
+XLA_FLAGS=--xla_force_host_platform_device_count=N gives the process N devices.
+
 The controller grades in a Ray sandbox fleet when its experiment says so (PipelineConfig.grader,
 pipeline/grading.py), e.g. on an existing Ray cluster:
   bazel run //tools:rl_part -- controller --workdir=/tmp/rl --samplers=http://127.0.0.1:8101 \

@@ -120,7 +120,8 @@ def test_two_learner_processes_match_one_and_survive_a_kill(tmp_path):
     port = testing.free_port()
     url = f"http://127.0.0.1:{port}"
     sampler_log = str(tmp_path / "sampler.log")
-    sampler = _spawn(["sampler", f"--workdir={work}", f"--port={port}", *FLAGS], sampler_log, 1)
+    # sharded.gin's sampler is two data-parallel replicas: a device each.
+    sampler = _spawn(["sampler", f"--workdir={work}", f"--port={port}", *FLAGS], sampler_log, 2)
     procs.append(sampler)
 
     # Process 0 kills itself right after publishing version 3; process 1, left waiting for it
