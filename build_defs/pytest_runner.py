@@ -10,13 +10,11 @@ pytest writes a JUnit report to `$XML_OUTPUT_FILE` (Bazel's per-target test.xml)
 
 Tests compile with XLA's backend (LLVM) optimisation level 0 (`TEST_XLA_FLAGS`, appended to
 `XLA_FLAGS`, which the test's own processes inherit): the suite's programs are tiny and most of
-its CPU time was spent compiling them, which level 0 cuts by about half while the programs run
-up to twice slower; XLA's HLO passes (fusion, sharding, collectives, buffer assignment: what the
-tests assert on) are untouched, and every program a test compares against another is compiled
-under the same flags. `bazel test --test_env=MOE_RL_TEST_FULL_OPT=1` runs the suite as the
-entry points compile (BENCHMARKS.md, "Test suite", has both timings).
-
-Usage (what the macro passes): pytest_runner.py <test file, runfiles-relative> [pytest args...]
+its CPU time went to compiling them, which level 0 cuts, while the compiled programs run
+slower; XLA's HLO passes (fusion, sharding, collectives, buffer assignment: what the tests
+assert on) are untouched, and every program a test compares against another is compiled under
+the same flags. `bazel test --test_env=MOE_RL_TEST_FULL_OPT=1 ...` runs tests as the entry
+points compile.
 """
 
 import os
