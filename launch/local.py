@@ -267,13 +267,7 @@ class ExperimentRun:
       if self._interrupted is not None:
         self.stop(reason=f"received {signal.Signals(self._interrupted).name}")
         return True
-      failed = self._reap()
-      policy = self.executor.on_failure
-      for st in failed:
-        if policy == "stop_work_unit":
-          self.stop({st.work_unit}, reason=f"{st.work_unit}/{st.name} failed")
-        elif policy == "stop_experiment":
-          self.stop(reason=f"{st.work_unit}/{st.name} failed")
+      apply_failure_policy(self.stop, self._reap(), self.executor.on_failure)
       self._stop_finished_services()
       self._fill()
       if self.done():
@@ -313,6 +307,17 @@ class ExperimentRun:
     """A table: work unit, job, state, exit code, log."""
     with open(os.path.join(self.dir, "status.json"), encoding="utf-8") as f:
       return status_table(json.load(f))
+
+
+def apply_failure_policy(stop, failed, policy: str) -> None:
+  """What an executor does about jobs that failed (`JobStatus`es with `work_unit` and `name`):
+  `stop(units, reason=...)` their work unit ("stop_work_unit"), everything ("stop_experiment";
+  `stop(reason=...)`), or nothing ("continue")."""
+  for st in failed:
+    if policy == "stop_work_unit":
+      stop({st.work_unit}, reason=f"{st.work_unit}/{st.name} failed")
+    elif policy == "stop_experiment":
+      stop(reason=f"{st.work_unit}/{st.name} failed")
 
 
 def status_table(doc: dict) -> str:

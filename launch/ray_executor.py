@@ -54,7 +54,7 @@ from launch import discovery
 from launch import spec
 from launch import targets
 from launch.local import FAILED, ON_FAILURE, PENDING, RUNNING, STOPPED, SUCCEEDED, JobStatus
-from launch.local import status_table
+from launch.local import apply_failure_policy, status_table
 
 RESTARTING = "restarting"  # its actor died (with its node) and Ray is placing it again
 _PR_SET_PDEATHSIG = 1
@@ -519,13 +519,7 @@ class RayRun:
       if self._interrupted is not None:
         self.stop(reason=f"received {signal.Signals(self._interrupted).name}")
         return True
-      failed = self._poll()
-      policy = self.executor.on_failure
-      for st in failed:
-        if policy == "stop_work_unit":
-          self.stop({st.work_unit}, reason=f"{st.work_unit}/{st.name} failed")
-        elif policy == "stop_experiment":
-          self.stop(reason=f"{st.work_unit}/{st.name} failed")
+      apply_failure_policy(self.stop, self._poll(), self.executor.on_failure)
       self._stop_finished_services()
       if self.done():
         return True
