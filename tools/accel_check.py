@@ -4,8 +4,8 @@ r"""Accelerator check (#20): the measurements that need an accelerator, in one p
   .venv/bin/python -m tools.accel_check --tiny_only --json=/tmp/accel.json   # CPU, tiny shapes
 
 Sized to finish within 10 minutes on one H200-class GPU (BENCHMARKS.md has a run on one H200;
-`seconds` in the JSON says where the time went; `--sections` reruns a part). Everything is measured by the project's own benchmark code,
-imported, not copied:
+`seconds` in the JSON says where the time went; `--sections` reruns a part). Everything is
+measured by the project's own benchmark code, imported, not copied:
   1. sampler: `rollout.Engine` tokens/s for batches of 1, 16 and 64 prompts (random tokens,
      greedy, `--new_tokens` each) on the tiny model (moe/configs/tiny.gin) and the ~1B MoE
      (moe/configs/moe_1b.gin), in the sampler dtype (bfloat16 off the CPU): end-to-end and decode
