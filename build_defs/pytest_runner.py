@@ -8,13 +8,14 @@ target that ran nothing. Running every file through this one runner means the fi
 pytest writes a JUnit report to `$XML_OUTPUT_FILE` (Bazel's per-target test.xml), which is what
 `.ci/run` sums to print how many test cases the suite ran.
 
-Tests compile with XLA's backend (LLVM) optimisation level 0 (`TEST_XLA_FLAGS`, appended to
-`XLA_FLAGS`, which the test's own processes inherit): the suite's programs are tiny and most of
-its CPU time went to compiling them, which level 0 cuts, while the compiled programs run
-slower; XLA's HLO passes (fusion, sharding, collectives, buffer assignment: what the tests
-assert on) are untouched, and every program a test compares against another is compiled under
-the same flags. `bazel test --test_env=MOE_RL_TEST_FULL_OPT=1 ...` runs tests as the entry
-points compile.
+Tests compile with XLA's backend (LLVM) optimisation level 0 and with XLA:CPU's older elemental
+emitters instead of its fusion emitters (`TEST_XLA_FLAGS`, each appended to `XLA_FLAGS` unless
+the caller set that flag; the test's own processes inherit them): the suite's programs are
+tiny and most of its CPU time went to compiling them, which both flags cut, while the compiled
+programs run somewhat slower; XLA's HLO passes (fusion decisions, sharding, collectives, buffer
+assignment: what the tests assert on) are untouched, and every program a test compares
+against another is compiled under the same flags. `bazel test
+--test_env=MOE_RL_TEST_FULL_OPT=1 ...` runs tests as the entry points compile.
 """
 
 import os
@@ -22,7 +23,7 @@ import sys
 
 import pytest
 
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 
 
 def xla_environment(environ) -> dict:
@@ -30,9 +31,10 @@ def xla_environment(environ) -> dict:
   if environ.get("MOE_RL_TEST_FULL_OPT") == "1":
     return {}
   flags = environ.get("XLA_FLAGS", "")
-  if "xla_backend_optimization_level" in flags:
+  missing = [f for f in TEST_XLA_FLAGS if f.split("=")[0] + "=" not in flags]
+  if not missing:
     return {}
-  return {"XLA_FLAGS": f"{flags} {TEST_XLA_FLAGS}".strip()}
+  return {"XLA_FLAGS": " ".join([flags, *missing]).strip()}
 
 
 def main(argv):

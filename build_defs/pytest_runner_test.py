@@ -98,8 +98,12 @@ def _flags_seen(tmp_path, **env):
 def test_tests_compile_at_backend_level_0_keeping_their_own_flags(tmp_path):
   seen = _flags_seen(tmp_path, XLA_FLAGS="--xla_force_host_platform_device_count=8")
   assert seen == repr("--xla_force_host_platform_device_count=8 "
-                      "--xla_backend_optimization_level=0")
-  # A level the caller chose is kept; MOE_RL_TEST_FULL_OPT=1 leaves XLA_FLAGS alone.
+                      "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false")
+  # A value the caller chose is kept, the other flag still added; MOE_RL_TEST_FULL_OPT=1 leaves
+  # XLA_FLAGS alone.
   assert _flags_seen(tmp_path, XLA_FLAGS="--xla_backend_optimization_level=2") == repr(
-      "--xla_backend_optimization_level=2")
+      "--xla_backend_optimization_level=2 --xla_cpu_use_fusion_emitters=false")
+  assert _flags_seen(tmp_path, XLA_FLAGS="--xla_cpu_use_fusion_emitters=true "
+                     "--xla_backend_optimization_level=1") == repr(
+      "--xla_cpu_use_fusion_emitters=true --xla_backend_optimization_level=1")
   assert _flags_seen(tmp_path, XLA_FLAGS="", MOE_RL_TEST_FULL_OPT="1") == repr("")
