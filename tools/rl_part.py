@@ -43,6 +43,14 @@ each process publishes the weight blocks it holds; samplers follow that sharded 
   bazel run //tools:rl_part -- learner --workdir=/tmp/rl --num_processes=2 --process_id=1 \
       --coordinator=HOST0:8476 --gin_file=tools/configs/experiments/sharded.gin
 
+JAX's persistent compilation cache is on for the learner, sampler and controller
+(`--compilation_cache_dir`, tools/compilation_cache.py; empty: off): a part restarted after a
+kill, or a learner process restarted with its gang, loads the programs it compiled before
+instead of compiling them again. The default is the user's cache (`~/.cache/moe-rl/jax`), and
+under a launcher the run's own, `<experiment dir>/jax_cache`, which a part placed again on
+another node finds too (the nodes of one run are alike; see tools/compilation_cache.py for
+machines of different CPUs). A relay compiles nothing.
+
 `--tokenizer=DIR`: a directory holding tokenizer.json (a model directory); it must be there.
 Without the flag the learner takes the one saved beside `--init_checkpoint` (bytes if there is
 none) and the sampler and controller take bytes. A model a `--hf_checkpoint` run trained (its
@@ -74,7 +82,13 @@ import sys
 DEFAULT_EXPERIMENT = "tools/configs/experiments/default.gin"
 
 
-def main(argv=None) -> int:
+def main(argv=None, *, cache_by_default: bool = False) -> int:
+  """Runs the part argv names; its exit status.
+
+  `cache_by_default`: without `--compilation_cache_dir`, turn JAX's persistent compilation cache
+  on in its default directory (`_default_cache_dir`), as the binary does. Off for in-process
+  callers (tests), whose JAX configuration stays theirs unless they pass the flag.
+  """
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("part", choices=("learner", "sampler", "controller", "relay"))
   p.add_argument("--workdir", default=None,
@@ -101,6 +115,11 @@ def main(argv=None) -> int:
   p.add_argument("--process_id", type=int, default=0, help="learner: this process's index")
   p.add_argument("--coordinator", default="", metavar="HOST:PORT",
                  help="learner: process 0's address, the same in every process")
+  from tools import compilation_cache  # pylint: disable=g-import-not-at-top
+  p.add_argument("--compilation_cache_dir", default=None,
+                 help="JAX's persistent compilation cache (default: under a launcher "
+                      "<experiment dir>/jax_cache, else the user's, "
+                      f"{compilation_cache.default_dir()}; empty: off)")
   from tools import configs  # pylint: disable=g-import-not-at-top
   args, files, bindings = configs.parse_flags(p, sys.argv[1:] if argv is None else argv)
   logging.basicConfig(level=logging.WARNING)
@@ -109,6 +128,12 @@ def main(argv=None) -> int:
     if not discovery.under_launcher():
       p.error("--workdir is required (outside a launcher)")
     args.workdir = os.path.join(os.environ[discovery.EXPERIMENT_DIR], "work")
+  if args.compilation_cache_dir is None:
+    args.compilation_cache_dir = _default_cache_dir() if cache_by_default else ""
+  # Before anything compiles: JAX decides at its first compilation whether the cache is used.
+  cache = None
+  if args.compilation_cache_dir and args.part != "relay":
+    cache = _CacheCounts(compilation_cache.enable(args.compilation_cache_dir))
   if args.num_processes != 1 or args.process_id or args.coordinator:
     if args.part != "learner":
       p.error("--num_processes, --process_id and --coordinator are the learner's")
@@ -134,6 +159,45 @@ def main(argv=None) -> int:
   except processes.TokenizerError as e:  # the operator's to fix: which tokenizer, which model
     print(f"error: {e}", file=sys.stderr)
     return 2
+  finally:
+    if cache is not None:
+      print(cache.line(), flush=True)
+
+
+CACHE_LINE = "compilation cache "
+
+
+class _CacheCounts:
+  """Counts what this process asked JAX's persistent compilation cache and what it found there
+  (JAX's monitoring events); `line()` is the part's last line, `compilation cache {json}`:
+  `requests` compilations that consulted the cache, `hits` of them loaded from it."""
+
+  def __init__(self, directory: str):
+    import jax  # pylint: disable=g-import-not-at-top
+    self.directory = directory
+    self.requests = self.hits = 0
+    jax.monitoring.register_event_listener(self._event)
+
+  def _event(self, event: str, **_):
+    if event == "/jax/compilation_cache/compile_requests_use_cache":
+      self.requests += 1
+    elif event == "/jax/compilation_cache/cache_hits":
+      self.hits += 1
+
+  def line(self) -> str:
+    import json  # pylint: disable=g-import-not-at-top
+    return CACHE_LINE + json.dumps({"dir": self.directory, "requests": self.requests,
+                                    "hits": self.hits})
+
+
+def _default_cache_dir() -> str:
+  """The run's cache under a launcher (`<experiment dir>/jax_cache`: every part of the run, and
+  a part restarted on another node, shares it), else the user's."""
+  from launch import discovery  # pylint: disable=g-import-not-at-top
+  from tools import compilation_cache  # pylint: disable=g-import-not-at-top
+  if discovery.under_launcher():
+    return os.path.join(os.environ[discovery.EXPERIMENT_DIR], "jax_cache")
+  return compilation_cache.default_dir()
 
 
 def _load_experiment(configs, files, bindings, *, learner: bool):
@@ -215,4 +279,4 @@ def _url(s: str) -> str:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(main(cache_by_default=True))

@@ -38,6 +38,7 @@ from sync import publisher as publisher_lib
 from sync import sharded as sharded_lib
 from sync import store as store_lib
 from testlib import waiting
+from tools import rl_part
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 5
@@ -54,6 +55,9 @@ FLAGS = ["--gin_file=tools/configs/experiments/sharded.gin",
 
 
 def _spawn(args, log_path, devices, extra_env=None):
+  # Every part of the test shares one compilation cache in the test's directory (never the
+  # user's): the restarted learners load what the first ones compiled.
+  args = [*args, f"--compilation_cache_dir={os.path.join(os.path.dirname(log_path), 'jax_cache')}"]
   env = {k: v for k, v in os.environ.items() if not k.startswith("RL_FAULTS")}
   env.update(PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu",
              XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", **(extra_env or {}))
@@ -198,6 +202,19 @@ def test_two_learner_processes_match_one_and_survive_a_kill(tmp_path):
   for name, w in expect.items():
     np.testing.assert_allclose(final[name], w, rtol=1e-6, atol=1e-9, err_msg=name)
   assert processes.parse_summary(outs[1][0])["step"] == STEPS
+  # Restarted, process 0 compiled nothing: it loaded every program from the cache. Process 1
+  # compiles again: JAX writes only process 0's programs (jax._src.compiler._cache_write), and
+  # process 1's are keyed by its own devices.
+  caches = [_cache_line(out) for out in outs[1]]
+  assert all(c["dir"] == str(tmp_path / "jax_cache") for c in caches), caches
+  assert caches[0]["hits"] == caches[0]["requests"] > 0, caches
+  assert caches[1]["requests"] > 0, caches
+
+
+def _cache_line(out):
+  lines = [l for l in out.splitlines() if l.startswith(rl_part.CACHE_LINE)]
+  assert lines, out[-3000:]
+  return json.loads(lines[-1][len(rl_part.CACHE_LINE):])
 
 
 if __name__ == "__main__":
