@@ -52,6 +52,8 @@ def _spawn(code: str, log_path: str, env=None) -> subprocess.Popen:
 PRELUDE = """
 import logging
 logging.basicConfig(level=logging.INFO)
+from testlib import jax_cache
+jax_cache.enable({cache!r})
 from pipeline import processes, testing
 """
 
@@ -84,9 +86,10 @@ def _requests_served(url) -> float:
 class _Parts:
   """Child processes of one test, killed (whole process group) at the end."""
 
-  def __init__(self, tmp_path):
+  def __init__(self, tmp_path, cache):
     self.work = str(tmp_path / "work")
     self.tmp = tmp_path
+    self.prelude = PRELUDE.format(cache=cache)
     self.procs = {}
     flat = moe_params.flatten(build.create(testing.MODEL, seed=0))
     WeightChannel(processes.paths(self.work)["weights"], model_cfg=testing.MODEL).publish(flat, 0)
@@ -94,12 +97,14 @@ class _Parts:
   def log(self, name):
     return str(self.tmp / f"{name}.log")
 
-  def sampler(self, name, port):
-    self.procs[name] = p = _spawn(PRELUDE + f"""
+  def samplers(self, names_ports):
+    """Starts a sampler per (name, port), all at once, and waits until each serves."""
+    for name, port in names_ports:
+      self.procs[name] = _spawn(self.prelude + f"""
 processes.run_sampler({self.work!r}, port={port}, max_slots=8, max_len=128)
 """, self.log(name))
-    _wait_http(f"http://127.0.0.1:{port}", p, self.log(name))
-    return p
+    for name, port in names_ports:
+      _wait_http(f"http://127.0.0.1:{port}", self.procs[name], self.log(name))
 
   def kill(self, name):
     os.killpg(self.procs[name].pid, signal.SIGKILL)
@@ -112,9 +117,16 @@ processes.run_sampler({self.work!r}, port={port}, max_slots=8, max_len=128)
         p.wait(60)
 
 
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+  """One compilation cache for the module's processes (testlib.jax_cache): a sampler started
+  again loads what the first compiled, as a restarted part of a run does."""
+  return str(tmp_path_factory.mktemp("jax_cache"))
+
+
 @pytest.fixture
-def parts(tmp_path):
-  ps = _Parts(tmp_path)
+def parts(tmp_path, cache):
+  ps = _Parts(tmp_path, cache)
   yield ps
   ps.close()
 
@@ -122,8 +134,7 @@ def parts(tmp_path):
 def test_a_restarted_sampler_rejoins_and_serves_again(parts):
   ports = [_free_port(), _free_port()]
   urls = [f"http://127.0.0.1:{p}" for p in ports]
-  for i, port in enumerate(ports):
-    parts.sampler(f"s{i}", port)
+  parts.samplers([(f"s{i}", port) for i, port in enumerate(ports)])
   sset = samplers_lib.SamplerSet([samplers_lib.HttpSampler(u, name=u) for u in urls],
                                  max_lag=1, probe_backoff_s=0.2, max_probe_backoff_s=1.0)
   params = SamplingParams(n=2, max_tokens=4, temperature=1.0, seed=1, ignore_eos=True)
@@ -134,7 +145,7 @@ def test_a_restarted_sampler_rejoins_and_serves_again(parts):
   assert [s.name for s in sset.live()] == [urls[1]]
   assert len(sset.submit([1, 2, 3], params, timeout=60).result(120)) == 2
 
-  parts.sampler("s0-restarted", ports[0])  # the same address, a fresh process
+  parts.samplers([("s0-restarted", ports[0])])  # the same address, a fresh process
   assert _requests_served(urls[0]) == 0
   deadline = time.monotonic() + 120
   while len(sset.live()) < 2:  # probed again with back-off (at most 1s apart here)
@@ -165,9 +176,9 @@ def _summary(log):
 def test_a_controller_killed_after_a_write_resumes_its_task_order(parts):
   port = _free_port()
   url = f"http://127.0.0.1:{port}"
-  parts.sampler("s0", port)
+  parts.samplers([("s0", port)])
   kill_at = 3
-  run = PRELUDE + f"""
+  run = parts.prelude + f"""
 cfg = testing.config(max_staleness={STEPS})
 n = processes.run_controller({parts.work!r}, [{url!r}], cfg, steps={STEPS}, pool_size=2,
                              num_tasks={NUM_TASKS})

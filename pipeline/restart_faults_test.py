@@ -23,6 +23,7 @@ import pytest
 
 from pipeline import processes
 from pipeline import testing
+from testlib import jax_cache
 
 CFG = testing.config(max_staleness=0)
 STEPS = 4
@@ -33,11 +34,20 @@ def _write_steps(traj_dir, steps, versions=None):
   return testing.write_steps(traj_dir, steps, CFG, versions)
 
 
-def _learner(work, log_path, *, faults=None, extra=""):
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+  """One compilation cache for the module's learner processes (testlib.jax_cache): the first
+  compiles the learner's programs, the others load them, as a restarted learner does."""
+  return str(tmp_path_factory.mktemp("jax_cache"))
+
+
+def _learner(work, log_path, cache, *, faults=None, extra=""):
   """Runs one learner process to its end; returns (exit code, its output)."""
   code = textwrap.dedent(f"""
       import logging
       logging.basicConfig(level=logging.WARNING)
+      from testlib import jax_cache
+      jax_cache.enable({cache!r})
       from pipeline import processes, testing
       cfg = testing.config(max_staleness=0)
       processes.run_learner({work!r}, testing.MODEL, cfg, testing.LEARNER, steps={STEPS}{extra})
@@ -59,16 +69,16 @@ def _learner(work, log_path, *, faults=None, extra=""):
   return rc, open(log_path).read()
 
 
-def test_learner_killed_after_a_publish_replays_to_the_published_version(tmp_path):
+def test_learner_killed_after_a_publish_replays_to_the_published_version(tmp_path, cache):
   work = str(tmp_path / "work")
   _write_steps(processes.paths(work)["trajectories"], STEPS)
   log = str(tmp_path / "learner1.log")
-  rc, out1 = _learner(work, log, faults="learner.after_publish@2")
+  rc, out1 = _learner(work, log, cache, faults="learner.after_publish@2")
   assert rc == -signal.SIGKILL, out1[-3000:]
   assert open(log + ".faults").read().split()[:2] == ["learner.after_publish", "2"]
   # Killed right after publishing version 2, before step 2's checkpoint was saved.
   assert testing.published_weights(work)[1] == 2
-  rc, out2 = _learner(work, str(tmp_path / "learner2.log"))
+  rc, out2 = _learner(work, str(tmp_path / "learner2.log"), cache)
   assert rc == 0, out2[-3000:]
   steps = processes.parse_step_lines(out2)
   replayed = [r["step"] for r in steps if r["replayed"]]
@@ -86,13 +96,16 @@ def test_learner_killed_after_a_publish_replays_to_the_published_version(tmp_pat
   assert summary["trained_episodes"] == STEPS * CFG.episodes_per_step
   assert (summary["stale_episodes"], summary["lost_episodes"]) == (0, 0)
   assert testing.published_weights(work)[1] == STEPS
+  # The restart compiled nothing the killed learner had compiled: it loaded every program.
+  cache_counts = jax_cache.parse(out2)
+  assert cache_counts["hits"] == cache_counts["requests"] > 0, cache_counts
 
 
-def test_a_step_with_nothing_to_train_stops_the_learner(tmp_path):
+def test_a_step_with_nothing_to_train_stops_the_learner(tmp_path, cache):
   work = str(tmp_path / "work")
   # Step 2's records come from version 0: every one is staler than the bound 0.
   _write_steps(processes.paths(work)["trajectories"], STEPS, versions=[0, 0, 2, 3])
-  rc, out = _learner(work, str(tmp_path / "learner.log"))
+  rc, out = _learner(work, str(tmp_path / "learner.log"), cache)
   assert rc not in (0, "timeout"), out[-3000:]
   assert "EmptyStepError: learner step 2 has no trainable token" in out, out[-3000:]
   assert "8 stale" in out
@@ -101,12 +114,12 @@ def test_a_step_with_nothing_to_train_stops_the_learner(tmp_path):
   assert (summary["step"], summary["trained_episodes"], summary["stale_episodes"]) == (1, 8, 8)
 
 
-def test_a_missing_shard_is_counted_as_lost_and_later_steps_keep_their_boundaries(tmp_path):
+def test_a_missing_shard_is_counted_as_lost_and_later_steps_keep_their_boundaries(tmp_path, cache):
   work = str(tmp_path / "work")
   traj = processes.paths(work)["trajectories"]
   shards = _write_steps(traj, STEPS)
   os.remove(os.path.join(traj, shards[3]))  # step 2's second group
-  rc, out = _learner(work, str(tmp_path / "learner.log"), extra=", missing_timeout_s=1.0")
+  rc, out = _learner(work, str(tmp_path / "learner.log"), cache, extra=", missing_timeout_s=1.0")
   assert rc == 0, out[-3000:]
   assert f"trajectory shards ['{shards[3]}'] never appeared" in out
   steps = processes.parse_step_lines(out)
