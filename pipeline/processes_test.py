@@ -28,11 +28,16 @@ from sync import store as store_lib
 from sync import weights
 
 
-PRELUDE = """
+# Two learner steps of two groups: the sampler is killed at the first request, so most of the
+# groups are sampled by the survivor after the kill either way.
+STEPS = 2
+GROUPS = STEPS * testing.config().prompts_per_step
+PRELUDE = f"""
 import logging
 logging.basicConfig(level=logging.WARNING)
 from pipeline import processes, testing
 cfg = testing.config(max_staleness=1)
+STEPS, GROUPS = {STEPS}, {GROUPS}
 """
 
 
@@ -42,7 +47,7 @@ def test_separate_processes_with_a_sampler_killed(tmp_path):
   procs = {}
   try:
     procs["learner"] = testing.spawn(PRELUDE + f"""
-processes.run_learner({work!r}, testing.MODEL, cfg, testing.LEARNER, steps=3)
+processes.run_learner({work!r}, testing.MODEL, cfg, testing.LEARNER, steps=STEPS)
 """, logs["learner"])
     ports = [testing.free_port(), testing.free_port()]
     # Sampler 1: two data-parallel replicas, each sharding the experts over two devices.
@@ -53,12 +58,25 @@ processes.run_learner({work!r}, testing.MODEL, cfg, testing.LEARNER, steps=3)
 processes.run_sampler({work!r}, port={port}, max_slots=8, max_len=128{layouts[i]})
 """, logs[f"s{i}"])
     urls = [f"http://127.0.0.1:{p}" for p in ports]
-    for i, u in enumerate(urls):
-      testing.wait_http(u, procs[f"s{i}"], logs[f"s{i}"])
+    # The controller starts beside the samplers (its imports overlap their start-up) and waits
+    # for them itself before its first request; the test fails here if a sampler exits.
     procs["controller"] = testing.spawn(PRELUDE + f"""
-n = processes.run_controller({work!r}, {urls!r}, cfg, steps=3, pool_size=2, num_tasks=6)
+from testlib import waiting
+import urllib.request
+def up(u):
+  try:
+    with urllib.request.urlopen(u + "/health", timeout=2):
+      return True
+  except OSError:
+    return False
+for u in {urls!r}:
+  waiting.wait_until(lambda: up(u), u + " up", timeout_s=300, poll_s=0.05)
+n = processes.run_controller({work!r}, {urls!r}, cfg, steps=STEPS, pool_size=2,
+                             num_tasks=GROUPS)
 print("groups written", n)
 """, logs["controller"])
+    for i, u in enumerate(urls):
+      testing.wait_http(u, procs[f"s{i}"], logs[f"s{i}"])
     # Kill sampler 0 as soon as the controller has sent it work.
     t0 = time.time()
     while True:
@@ -84,22 +102,22 @@ print("groups written", n)
         os.killpg(p.pid, signal.SIGKILL)
         p.wait()
   out = open(logs["controller"]).read()
-  assert "groups written 6" in out
+  assert f"groups written {GROUPS}" in out
   learner_out = open(logs["learner"]).read()
   # The learner trained on what the samplers produced: every step packed all its episodes
   # (none refused, none lost with the killed sampler), and the weights it published last differ
   # from the initial ones it published as version 0.
-  rl_testing.assert_steps_trained(processes.parse_step_lines(learner_out), steps=3,
+  rl_testing.assert_steps_trained(processes.parse_step_lines(learner_out), steps=STEPS,
                                   episodes_per_step=testing.config().episodes_per_step)
   initial, _ = testing.published_weights(work, 0)
   final, version = testing.published_weights(work)
-  assert version == 3
+  assert version == STEPS
   rl_testing.assert_weights_changed(initial, final)
   d = os.path.join(work, "trajectories")
   recs = [r for s in trajectory_io.list_shards(d)
           for r in trajectory_io.read_shard(os.path.join(d, s))]
   gids = [r["group_id"] for r in recs]
-  assert len(gids) == 6 * 4 and len(set(gids)) == 6  # every group once, 4 attempts each
+  assert len(gids) == GROUPS * 4 and len(set(gids)) == GROUPS  # each group once, 4 attempts
   # Sampled over HTTP and graded: the killed sampler's requests were retried on the other one,
   # not written off as infrastructure failures.
   assert not any(r["infra_failure"] for r in recs), out[-3000:]
