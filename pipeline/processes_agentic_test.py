@@ -69,13 +69,18 @@ processes.run_sampler({work!r}, port={port}, max_slots=8, max_len=1024,
                       tokenizer_dir={model_dir!r})
 """, logs["s0"])
     url = f"http://127.0.0.1:{port}"
-    testing.wait_http(url, procs["s0"], logs["s0"])
+    # The controller starts beside the sampler (its imports overlap the sampler's start-up) and
+    # waits for it itself before its first request; the test fails here if the sampler exits.
     procs["controller"] = testing.spawn(PRELUDE + f"""
+from testlib import waiting
+waiting.wait_until(lambda: waiting.url_answers({url!r} + "/health"), {url!r}, timeout_s=300,
+                   poll_s=0.05)
 tasks = suite_repo.split(suite_repo.generate(), "train")[:4]
 n = processes.run_controller({work!r}, [{url!r}], cfg, steps=2, pool_size=2, tasks=tasks,
                              loop_config=loop, tokenizer_dir={model_dir!r})
 print("groups written", n)
 """, logs["controller"])
+    testing.wait_http(url, procs["s0"], logs["s0"])
     assert procs["controller"].wait(timeout=600) == 0, open(logs["controller"]).read()[-3000:]
     assert procs["learner"].wait(timeout=600) == 0, open(logs["learner"]).read()[-3000:]
   finally:

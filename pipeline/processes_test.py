@@ -62,15 +62,8 @@ processes.run_sampler({work!r}, port={port}, max_slots=8, max_len=128{layouts[i]
     # for them itself before its first request; the test fails here if a sampler exits.
     procs["controller"] = testing.spawn(PRELUDE + f"""
 from testlib import waiting
-import urllib.request
-def up(u):
-  try:
-    with urllib.request.urlopen(u + "/health", timeout=2):
-      return True
-  except OSError:
-    return False
 for u in {urls!r}:
-  waiting.wait_until(lambda: up(u), u + " up", timeout_s=300, poll_s=0.05)
+  waiting.wait_until(lambda: waiting.url_answers(u + "/health"), u, timeout_s=300, poll_s=0.05)
 n = processes.run_controller({work!r}, {urls!r}, cfg, steps=STEPS, pool_size=2,
                              num_tasks=GROUPS)
 print("groups written", n)

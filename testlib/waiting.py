@@ -68,3 +68,14 @@ def wait_exited(pids, what: str = "the processes to exit", *,
   wait_until(lambda: not any(pid_alive(p) for p in pids),
              lambda: f"{what} (still alive: {[p for p in pids if pid_alive(p)]})",
              timeout_s=timeout_s)
+
+
+def url_answers(url: str, timeout_s: float = 2.0) -> bool:
+  """True if a GET of `url` answers with a success status (a server's /health, say) within
+  `timeout_s`; False if nothing listens there yet, or it answers an error."""
+  import urllib.request  # pylint: disable=g-import-not-at-top
+  try:
+    with urllib.request.urlopen(url, timeout=timeout_s):
+      return True
+  except OSError:  # refused, timed out, or an HTTP error status (HTTPError is an OSError)
+    return False

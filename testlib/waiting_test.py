@@ -51,5 +51,28 @@ def test_pid_alive_counts_a_zombie_as_exited():
   assert not waiting.pid_alive(proc.pid)  # reaped: gone from /proc
 
 
+def test_url_answers_only_a_success_status():
+  import http.server  # pylint: disable=g-import-not-at-top
+
+  class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # pylint: disable=invalid-name
+      self.send_response(200 if self.path == "/health" else 503)
+      self.end_headers()
+
+    def log_message(self, *args):
+      pass
+
+  server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+  threading.Thread(target=server.serve_forever, daemon=True).start()
+  url = f"http://127.0.0.1:{server.server_port}"
+  try:
+    assert waiting.url_answers(url + "/health")
+    assert not waiting.url_answers(url + "/busy")
+  finally:
+    server.shutdown()
+    server.server_close()
+  assert not waiting.url_answers(url + "/health")  # nothing listens any more
+
+
 if __name__ == "__main__":
   sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
