@@ -44,22 +44,20 @@ def test_two_processes_match_one_process():
   procs = [subprocess.Popen(cmd + ["--process_id", str(i)], cwd=ROOT, env=_env(1),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
            for i in range(2)]
-  # The one-process reference runs beside them: it shares nothing with them.
-  procs.append(subprocess.Popen([sys.executable, "-m", "rl.multihost_smoke"], cwd=ROOT,
-                                env=_env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True))
   outs = []
-  try:
-    for p in procs:
+  for p in procs:
+    try:
       out, err = p.communicate(timeout=400)
-      assert p.returncode == 0, err[-3000:]
-      outs.append(_result(out))
-  finally:
-    for q in procs:
-      if q.poll() is None:
+    except subprocess.TimeoutExpired:
+      for q in procs:
         q.kill()
-        q.wait()
-  ref = outs.pop()
+      raise
+    assert p.returncode == 0, err[-3000:]
+    outs.append(_result(out))
+  single = subprocess.run([sys.executable, "-m", "rl.multihost_smoke"], cwd=ROOT, env=_env(2),
+                          capture_output=True, text=True, timeout=400)
+  assert single.returncode == 0, single.stderr[-3000:]
+  ref = _result(single.stdout)
   assert ref["devices"] == 2 and ref["process_count"] == 1
   # Every step trained: all 8 rows x 7 next-token targets of the global batch, a finite
   # non-zero loss, one policy version per step; and every weight moved.
