@@ -49,7 +49,9 @@ kill, or a learner process restarted with its gang, loads the programs it compil
 instead of compiling them again. The default is the user's cache (`~/.cache/moe-rl/jax`), and
 under a launcher the run's own, `<experiment dir>/jax_cache`, which a part placed again on
 another node finds too (the nodes of one run are alike; see tools/compilation_cache.py for
-machines of different CPUs). A relay compiles nothing.
+machines of different CPUs). A relay compiles nothing. The part's last line,
+`compilation cache {"dir", "requests", "hits"}`, says how many of its compilations the cache
+answered (none of a part killed before its end).
 
 `--tokenizer=DIR`: a directory holding tokenizer.json (a model directory); it must be there.
 Without the flag the learner takes the one saved beside `--init_checkpoint` (bytes if there is
