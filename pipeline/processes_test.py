@@ -16,9 +16,12 @@ import urllib.request
 import numpy as np
 import pytest
 
+from moe import build
+from moe import params as moe_params
 from pipeline import episodes as episodes_lib
 from pipeline import processes
 from pipeline import testing
+from pipeline.local import WeightChannel
 from rl import testing as rl_testing
 from rl import trajectory_io
 from rollout.engine import Completion
@@ -26,6 +29,7 @@ from sync import delta
 from sync import publisher as publisher_lib
 from sync import store as store_lib
 from sync import weights
+from sync.delta import jit
 
 
 # Two learner steps of two groups: the sampler is killed at the first request, so most of the
@@ -41,12 +45,30 @@ STEPS, GROUPS = {STEPS}, {GROUPS}
 """
 
 
-def test_separate_processes_with_a_sampler_killed(tmp_path):
+@pytest.fixture(scope="module")
+def kernels_ready(tmp_path_factory):
+  """The delta kernels readied once, here: a delta of the test model published and applied in
+  this process compiles them into (or loads them from) the on-disk kernel cache, sync.delta.jit's
+  default directory, which the parts share (under Bazel the test's own). The parts, which
+  need them at start-up (samplers) or at their first delta (the learner) all at once, then load
+  them instead of each compiling them. Returns that directory's base (SYNC_KERNEL_CACHE_DIR)."""
+  url = processes.paths(str(tmp_path_factory.mktemp("kernels")))["weights"]
+  flat = moe_params.flatten(build.create(testing.MODEL, seed=0))
+  channel = WeightChannel(url, model_cfg=testing.MODEL)
+  channel.publish(flat, 0)
+  channel.publish({k: np.asarray(v) * np.float32(1.01) for k, v in flat.items()}, 1)
+  assert processes.wait_for_weights(url, timeout_s=60)[1].version == 1
+  return os.path.dirname(jit.CACHE_DIR) if jit.CACHE_DIR else ""  # "": each compiles
+
+
+def test_separate_processes_with_a_sampler_killed(tmp_path, kernels_ready):
+  del kernels_ready  # the parts load them
   work = str(tmp_path / "work")
+  prelude = PRELUDE
   logs = {n: str(tmp_path / f"{n}.log") for n in ("learner", "s0", "s1", "controller")}
   procs = {}
   try:
-    procs["learner"] = testing.spawn(PRELUDE + f"""
+    procs["learner"] = testing.spawn(prelude + f"""
 processes.run_learner({work!r}, testing.MODEL, cfg, testing.LEARNER, steps=STEPS)
 """, logs["learner"])
     ports = [testing.free_port(), testing.free_port()]
@@ -54,13 +76,13 @@ processes.run_learner({work!r}, testing.MODEL, cfg, testing.LEARNER, steps=STEPS
     layouts = ["", ", replicas=2, expert=2"]
     devices = ["", 'import os\nos.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"']
     for i, port in enumerate(ports):
-      procs[f"s{i}"] = testing.spawn(devices[i] + PRELUDE + f"""
+      procs[f"s{i}"] = testing.spawn(devices[i] + prelude + f"""
 processes.run_sampler({work!r}, port={port}, max_slots=8, max_len=128{layouts[i]})
 """, logs[f"s{i}"])
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     # The controller starts beside the samplers (its imports overlap their start-up) and waits
     # for them itself before its first request; the test fails here if a sampler exits.
-    procs["controller"] = testing.spawn(PRELUDE + f"""
+    procs["controller"] = testing.spawn(prelude + f"""
 from testlib import waiting
 for u in {urls!r}:
   waiting.wait_until(lambda: waiting.url_answers(u + "/health"), u, timeout_s=300, poll_s=0.05)
@@ -116,10 +138,11 @@ print("groups written", n)
   assert not any(r["infra_failure"] for r in recs), out[-3000:]
 
 
-def test_a_sampler_readies_the_delta_kernels_at_start_up(tmp_path):
+def test_a_sampler_readies_the_delta_kernels_at_start_up(tmp_path, kernels_ready):
   # In a fresh process (one that compiled nothing yet): the sampler's start (wait_for_weights)
   # readies the kernels while nothing is published, and restoring a snapshot plus a delta
-  # afterwards compiles nothing more.
+  # afterwards compiles nothing more. Readied means compiled or loaded from the kernel cache
+  # (jit.compiled_signatures counts both): here loaded from the cache the module readied.
   work = str(tmp_path / "work")
   code = f"""
 import json
@@ -146,7 +169,7 @@ print(json.dumps({{"before": before, "at_start": at_start, "after": jit.compiled
                   "v1_snapshot": publisher.read_manifest(st, 1).snapshot is not None}}))
 """
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
-             SYNC_KERNEL_CACHE_DIR=str(tmp_path / "kernels"))
+             SYNC_KERNEL_CACHE_DIR=kernels_ready)
   res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=600, check=False)
   assert res.returncode == 0, res.stderr[-3000:]
