@@ -19,6 +19,7 @@ import textwrap
 import time
 import urllib.request
 
+import numpy as np
 import pytest
 
 from moe import build
@@ -120,7 +121,17 @@ processes.run_sampler({self.work!r}, port={port}, max_slots=8, max_len=128)
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
   """One compilation cache for the module's processes (testlib.jax_cache): a sampler started
-  again loads what the first compiled, as a restarted part of a run does."""
+  again loads what the first compiled, as a restarted part of a run does.
+
+  The delta kernels too are readied once, here, in the on-disk kernel cache the samplers share
+  (sync.delta.jit's default directory; under Bazel the test's own), by a delta of the test model
+  published and applied: samplers started together load them instead of each compiling them."""
+  url = processes.paths(str(tmp_path_factory.mktemp("kernels")))["weights"]
+  flat = moe_params.flatten(build.create(testing.MODEL, seed=0))
+  channel = WeightChannel(url, model_cfg=testing.MODEL)
+  channel.publish(flat, 0)
+  channel.publish({k: np.asarray(v) * np.float32(1.01) for k, v in flat.items()}, 1)
+  assert processes.wait_for_weights(url, timeout_s=60)[1].version == 1
   return str(tmp_path_factory.mktemp("jax_cache"))
 
 
