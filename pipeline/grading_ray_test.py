@@ -112,7 +112,9 @@ def test_a_host_killed_mid_grading_loses_and_repeats_nothing(ray_module, pool, t
 
 def test_the_multi_process_controller_grades_in_the_ray_cluster_it_joins(ray_module, tmp_path):
   """pipeline.processes.run_controller (what `rl_part controller` runs) with grader "ray" and
-  `ray_address`: it joins this module's Ray cluster as another driver and grades there."""
+  `ray_address`: it joins this module's Ray cluster as another driver and grades there. One
+  step is enough to prove that (the fleet's retries and counts over several steps are
+  test_a_host_killed_mid_grading_loses_and_repeats_nothing's)."""
   work = str(tmp_path / "work")
   address = ray_module.get_runtime_context().gcs_address
   prelude = f"""
@@ -128,7 +130,7 @@ cfg = testing.config(max_staleness=1, grader="ray", grader_hosts=2, grader_pool=
   url = f"http://127.0.0.1:{port}"
   try:
     procs["learner"] = testing.spawn(prelude + f"""
-processes.run_learner({work!r}, testing.MODEL, cfg, testing.LEARNER, steps=2)
+processes.run_learner({work!r}, testing.MODEL, cfg, testing.LEARNER, steps=1)
 """, logs["learner"])
     procs["sampler"] = testing.spawn(prelude + f"""
 processes.run_sampler({work!r}, port={port}, max_slots=8, max_len=128)
@@ -137,7 +139,7 @@ processes.run_sampler({work!r}, port={port}, max_slots=8, max_len=128)
     procs["controller"] = testing.spawn(prelude + f"""
 import os
 print("controller pid", os.getpid())
-n = processes.run_controller({work!r}, [{url!r}], cfg, steps=2, pool_size=1, num_tasks=6)
+n = processes.run_controller({work!r}, [{url!r}], cfg, steps=1, pool_size=1, num_tasks=6)
 print("groups written", n)
 """, logs["controller"])
     assert procs["controller"].wait(timeout=600) == 0, open(logs["controller"]).read()[-3000:]
@@ -148,11 +150,11 @@ print("groups written", n)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
   out = open(logs["controller"]).read()
-  assert "groups written 4" in out, out[-3000:]
+  assert "groups written 2" in out, out[-3000:]
   controller_pid = int(out.split("controller pid ")[1].split()[0])
   summary = json.loads(out.split("controller summary ")[1].splitlines()[0])
   g = summary["grading"]
-  assert g["grader"] == "ray" and g["grades"] == summary["episodes_written"] == 16
+  assert g["grader"] == "ray" and g["grades"] == summary["episodes_written"] == 8
   assert summary["episodes_lost"] == 0 and summary["infra_failures"] == 0
   assert set(g["grades_by_host"]) <= set(g["host_pids"]) and len(g["host_pids"]) == 2
   pids = g["host_pids"].values()
