@@ -3,7 +3,7 @@ parts find each other by name, the samplers (services) are stopped once the lear
 controller are done, and the run directory holds every part's log, status.json, summary.json
 with the run's counts and metrics.jsonl; `--status=RUN_DIR` shows each part's state.
 
-The pipeline tests' tiny model (tools/testing.RL_TINY_BINDINGS), 3 steps: ~45 s on the quiet
+The pipeline tests' tiny model (tools/testing.RL_TINY_BINDINGS), 2 steps: ~40 s on the quiet
 2-core machine. The same config on a Ray cluster, with faults: tools/launch_rl_ray_test.py.
 """
 
@@ -17,7 +17,7 @@ import pytest
 from tools import launcher as launch_tool
 from tools import testing
 
-STEPS = 3
+STEPS = 2  # two steps: metrics.jsonl in order, counts over more than one step
 EPISODES = STEPS * 2 * 4  # prompts_per_step x attempts (RL_TINY_BINDINGS)
 
 
