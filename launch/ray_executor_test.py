@@ -152,8 +152,9 @@ def test_failed_jobs_restart_with_their_gang_until_restarts_run_out(cluster, tmp
 def test_a_work_unit_the_cluster_cannot_hold_is_a_clear_error(cluster, tmp_path):
   job = spec.Job("big", FLAKY, args={"starts_file": str(tmp_path / "x")},
                  resources=spec.Resources(num_cpus=1, custom={"tpu": 8}))
+  # No node ever has a "tpu" resource, so the launch waits the whole placement timeout.
   ex = ray_executor.RayExecutor(str(tmp_path), use_bazel=False, out=None,
-                                placement_timeout_s=2)
+                                placement_timeout_s=0.5)
   with pytest.raises(ray_executor.RayExecutorError, match="no room for its jobs"):
     ex.launch(spec.Experiment("big", (spec.WorkUnit((job,)),)))
   assert not (tmp_path / "x").exists()
