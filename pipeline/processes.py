@@ -561,7 +561,8 @@ def run_controller(workdir: str, sampler_urls: Sequence[str], config: PipelineCo
         tasks, sampler_set, sandboxes.pool, group_sink(writer), config=config,
         sink_path=p["trajectories"], loop_config=loop,
         tokenizer=tok, grade_fn=sandboxes.grade_fn,
-        on_group=lambda g: print(f"group {g.index} {g.task_id} rewards {g.rewards}", flush=True))
+        on_group=lambda g: print(f"group {g.index} {g.task_id} rewards {g.rewards} "
+                                 f"retries {g.retries}", flush=True))
     start = ctl.resume(written)
     if start:
       print(f"controller resumed at group {start}", flush=True)

@@ -68,5 +68,25 @@ def test_rl_gin_jobs_name_each_other(capsys):
       in out
 
 
+def test_retries_count_every_controller_incarnation_and_each_group_once(tmp_path):
+  """A controller killed before its summary line still counts the retries of the groups it
+  wrote; a group written again after a restart counts once (its last line)."""
+  from tools import rl_launch  # pylint: disable=g-import-not-at-top
+  log = tmp_path / "controller.log"
+  log.write_text("\n".join([
+      "group 0 t-a rewards [1.0, 0.0] retries 2",
+      "group 1 t-b rewards [0.0, 0.0] retries 1",
+      # killed here: no summary line; the restarted controller writes group 1 again
+      "controller resumed at group 1",
+      "group 1 t-b rewards [0.0, 1.0] retries 0",
+      "group 2 t-c rewards [1.0, 1.0] retries 3",
+      rl_launch.CONTROLLER_SUMMARY + json.dumps({"sampler_retries": 3}),
+  ]) + "\n")
+  unit = {"jobs": {"controller": {"log_path": str(log), "state": "succeeded"}}}
+  counts, _ = rl_launch.summarize_unit(str(tmp_path), unit)
+  assert counts["episodes_retried"] == 2 + 0 + 3, counts
+  assert counts["controller_runs_ended"] == 1
+
+
 if __name__ == "__main__":
   sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any, Mapping, Optional, Sequence
 
 import gin
@@ -28,6 +29,9 @@ from launch import spec
 
 RL_PART = "//tools:rl_part"
 CONTROLLER_SUMMARY = "controller summary "
+# A group the controller wrote (pipeline.processes.run_controller's line per group): its index
+# and the sampler requests retried on another sampler while it was generated.
+_GROUP_LINE = re.compile(r"^group (\d+) \S+ rewards .* retries (\d+)$")
 
 
 @gin.configurable
@@ -136,7 +140,9 @@ def summarize_unit(run_dir: str, unit: Mapping[str, Any]) -> tuple[dict, list]:
   episodes_generated: attempts written to the work directory (every controller incarnation);
   episodes_trained / _stale: the learner's (pipeline.step_batches.StepStats, checkpointed, so
   restarts neither drop nor double them); episodes_retried: sampler requests retried on
-  another sampler (controller summaries); episodes_lost: the learner's lost records (missing
+  another sampler while the written groups were generated (the controller's line per group,
+  so an incarnation killed before its summary counts too; a group written twice counts
+  once); episodes_lost: the learner's lost records (missing
   shards) plus what controllers generated but never wrote; duplicate_episodes: attempts
   written twice (by a controller that repeated a group after a restart); grading: where the
   attempts were graded, with a Ray sandbox fleet its grades, retries and host failures
@@ -154,9 +160,11 @@ def summarize_unit(run_dir: str, unit: Mapping[str, Any]) -> tuple[dict, list]:
     learned = processes.parse_summary(learner_log)
   except ValueError:
     learned = {}
-  controllers = [json.loads(line[len(CONTROLLER_SUMMARY):])
-                 for line in _read(jobs.get("controller", {}).get("log_path", "")).splitlines()
+  controller_log = _read(jobs.get("controller", {}).get("log_path", "")).splitlines()
+  controllers = [json.loads(line[len(CONTROLLER_SUMMARY):]) for line in controller_log
                  if line.startswith(CONTROLLER_SUMMARY)]
+  group_retries = {int(m.group(1)): int(m.group(2))
+                   for m in map(_GROUP_LINE.match, controller_log) if m}
   grading = [c["grading"] for c in controllers if c.get("grading", {}).get("grader") == "ray"]
   traj = os.path.join(run_dir, "work", "trajectories")
   ids = []
@@ -170,7 +178,7 @@ def summarize_unit(run_dir: str, unit: Mapping[str, Any]) -> tuple[dict, list]:
       "episodes_read": learned.get("episodes", 0),
       "episodes_trained": learned.get("trained_episodes", 0),
       "episodes_stale": learned.get("stale_episodes", 0),
-      "episodes_retried": sum(c.get("sampler_retries", 0) for c in controllers),
+      "episodes_retried": sum(group_retries.values()),
       "episodes_lost": learned.get("lost_episodes", 0) + sum(c.get("episodes_lost", 0)
                                                              for c in controllers),
       "duplicate_episodes": len(ids) - len(set(ids)),
