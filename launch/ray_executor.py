@@ -657,8 +657,10 @@ class RayExecutor:
         cpus += j.resources.num_cpus
         for k, v in j.resources.custom.items():
           custom[k] = custom.get(k, 0) + v
-    ray.init(num_cpus=max(int(cpus + 0.999), self.num_cpus or 1), resources=custom or None,
-             object_store_memory=self.object_store_memory, **kw)
+    # address="local": a new instance. Without it Ray joins any instance already running on the
+    # machine (another run's, a concurrent test's), which then refuses num_cpus.
+    ray.init(address="local", num_cpus=max(int(cpus + 0.999), self.num_cpus or 1),
+             resources=custom or None, object_store_memory=self.object_store_memory, **kw)
 
   def _exp_dir(self, name: str) -> str:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")

@@ -160,5 +160,35 @@ def test_a_work_unit_the_cluster_cannot_hold_is_a_clear_error(cluster, tmp_path)
   assert not (tmp_path / "x").exists()
 
 
+_LOCAL_LAUNCH = """
+import sys
+from launch import ray_executor, spec
+job = spec.Job("server", spec.PyModule("launch.testdata.echo_server"), args={"clients": 1})
+client = spec.Job("client", spec.PyModule("launch.testdata.echo_client"), args={"message": "x"})
+run = ray_executor.RayExecutor(sys.argv[1], use_bazel=False, grace_s=2, out=None,
+                               placement_timeout_s=60).launch(
+    spec.Experiment("own", (spec.WorkUnit((job, client)),)))
+ok = run.wait(timeout=120)
+print("own cluster:", run.succeeded(), flush=True)
+run.close()
+sys.exit(0 if ok and run.succeeded() else 1)
+"""
+
+
+def test_without_an_address_it_starts_its_own_ray_beside_another_instance(cluster, tmp_path):
+  """With this module's cluster running on the machine (as another run's or a concurrent
+  test's would be), an executor given no address starts a Ray of its own: Ray's default would
+  join the running instance and refuse the CPUs the executor asks for."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  assert cluster.address  # the other instance is up
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=root)
+  env.pop("RAY_ADDRESS", None)
+  r = subprocess.run([sys.executable, "-c", _LOCAL_LAUNCH, str(tmp_path)], env=env, cwd=root,
+                     capture_output=True, text=True, timeout=240, check=False)
+  assert r.returncode == 0 and "own cluster: True" in r.stdout, (r.stdout[-3000:]
+                                                                  + r.stderr[-3000:])
+
+
 if __name__ == "__main__":
   sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
