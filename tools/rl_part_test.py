@@ -108,5 +108,22 @@ def test_the_learner_checks_its_mesh_against_its_devices_and_other_parts_do_not(
                              learner=True)
 
 
+def test_the_default_compilation_cache_is_the_runs_under_a_launcher_else_the_users(
+    tmp_path, monkeypatch):
+  """A part placed again on another node must find what the run compiled: under a launcher the
+  default cache is the experiment directory's; a part started by hand uses the user's."""
+  from launch import discovery  # pylint: disable=g-import-not-at-top
+  from tools import compilation_cache  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+  for var in (discovery.JOBS_JSON, discovery.JOB_NAME, discovery.EXPERIMENT_DIR):
+    monkeypatch.delenv(var, raising=False)
+  assert rl_part._default_cache_dir() == compilation_cache.default_dir() == str(
+      tmp_path / "xdg" / "moe-rl" / "jax")
+  monkeypatch.setenv(discovery.JOBS_JSON, str(tmp_path / "jobs.json"))
+  monkeypatch.setenv(discovery.JOB_NAME, "sampler_0")
+  monkeypatch.setenv(discovery.EXPERIMENT_DIR, str(tmp_path / "exp"))
+  assert rl_part._default_cache_dir() == str(tmp_path / "exp" / "jax_cache")
+
+
 if __name__ == "__main__":
   sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
