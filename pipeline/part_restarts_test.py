@@ -19,7 +19,6 @@ import textwrap
 import time
 import urllib.request
 
-import numpy as np
 import pytest
 
 from moe import build
@@ -126,12 +125,7 @@ def cache(tmp_path_factory):
   The delta kernels too are readied once, here, in the on-disk kernel cache the samplers share
   (sync.delta.jit's default directory; under Bazel the test's own), by a delta of the test model
   published and applied: samplers started together load them instead of each compiling them."""
-  url = processes.paths(str(tmp_path_factory.mktemp("kernels")))["weights"]
-  flat = moe_params.flatten(build.create(testing.MODEL, seed=0))
-  channel = WeightChannel(url, model_cfg=testing.MODEL)
-  channel.publish(flat, 0)
-  channel.publish({k: np.asarray(v) * np.float32(1.01) for k, v in flat.items()}, 1)
-  assert processes.wait_for_weights(url, timeout_s=60)[1].version == 1
+  testing.ready_delta_kernels(str(tmp_path_factory.mktemp("kernels")))
   return str(tmp_path_factory.mktemp("jax_cache"))
 
 

@@ -16,12 +16,9 @@ import urllib.request
 import numpy as np
 import pytest
 
-from moe import build
-from moe import params as moe_params
 from pipeline import episodes as episodes_lib
 from pipeline import processes
 from pipeline import testing
-from pipeline.local import WeightChannel
 from rl import testing as rl_testing
 from rl import trajectory_io
 from rollout.engine import Completion
@@ -52,12 +49,7 @@ def kernels_ready(tmp_path_factory):
   default directory, which the parts share (under Bazel the test's own). The parts, which
   need them at start-up (samplers) or at their first delta (the learner) all at once, then load
   them instead of each compiling them. Returns that directory's base (SYNC_KERNEL_CACHE_DIR)."""
-  url = processes.paths(str(tmp_path_factory.mktemp("kernels")))["weights"]
-  flat = moe_params.flatten(build.create(testing.MODEL, seed=0))
-  channel = WeightChannel(url, model_cfg=testing.MODEL)
-  channel.publish(flat, 0)
-  channel.publish({k: np.asarray(v) * np.float32(1.01) for k, v in flat.items()}, 1)
-  assert processes.wait_for_weights(url, timeout_s=60)[1].version == 1
+  testing.ready_delta_kernels(str(tmp_path_factory.mktemp("kernels")))
   return os.path.dirname(jit.CACHE_DIR) if jit.CACHE_DIR else ""  # "": each compiles
 
 

@@ -122,3 +122,23 @@ def wait_http(url: str, proc: subprocess.Popen, log: str, timeout: float = 300) 
     except OSError:
       time.sleep(0.5)
   raise AssertionError(f"{url} did not come up in {timeout}s: {open(log).read()[-3000:]}")
+
+
+def ready_delta_kernels(work_dir: str) -> None:
+  """Readies the delta kernels in this process: a delta of the test model published to a store
+  under `work_dir` and applied compiles them into (or loads them from) the on-disk kernel
+  cache, sync.delta.jit's default directory (under Bazel the test's own), which the processes a
+  test starts share. Parts that need them at start-up (samplers) or at their first delta (the
+  learner), all at once, then load them instead of each compiling them."""
+  from moe import build  # pylint: disable=g-import-not-at-top
+  from moe import params as moe_params  # pylint: disable=g-import-not-at-top
+  from pipeline import processes  # pylint: disable=g-import-not-at-top
+  from pipeline.local import WeightChannel  # pylint: disable=g-import-not-at-top
+  url = processes.paths(work_dir)["weights"]
+  flat = moe_params.flatten(build.create(MODEL, seed=0))
+  channel = WeightChannel(url, model_cfg=MODEL)
+  channel.publish(flat, 0)
+  channel.publish({k: np.asarray(v) * np.float32(1.01) for k, v in flat.items()}, 1)
+  if processes.wait_for_weights(url, timeout_s=60)[1].version != 1:
+    raise AssertionError("the test model's delta (version 1) was not applied")
+
