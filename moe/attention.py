@@ -28,6 +28,7 @@ class Attention(nnx.Module):
     std = cfg.init_std
     self.num_heads, self.num_kv_heads, self.head_dim = h, kv, hd
     self.rope_theta = cfg.rope_theta
+    self.query_chunk = cfg.attention_query_chunk
     self.dtype = cfg.jnp_dtype
     self.q = layers.param(rngs, (d, h, hd), ("embed", "heads", "head_dim"), std=std, dtype=pd)
     self.k = layers.param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), std=std, dtype=pd)
@@ -61,20 +62,36 @@ class Attention(nnx.Module):
     k = layers.rope(k, positions, self.rope_theta)
 
     b, t = x.shape[:2]
-    keys, values = k, v
-    idx = jnp.arange(t)
-    mask = idx[None, None, :] <= idx[None, :, None]  # [1, T, S]
-    if segment_ids is not None:
-      mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
-
     g = self.num_heads // self.num_kv_heads
     qg = q.reshape(b, t, self.num_kv_heads, g, self.head_dim)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys.astype(dt),
-                        preferred_element_type=jnp.float32)
-    scores = scores * (self.head_dim ** -0.5)
-    scores = jnp.where(mask[:, None, None, :, :], scores, _NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, values.astype(dt))
+    # Causal chunks (ModelConfig.attention_query_chunk): the queries of chunk [s, e) see keys
+    # [0, e) only, so the blocks above the diagonal are never computed (for 4 chunks, 10 of the
+    # 16 blocks). Masked keys weigh exactly zero, so each query's softmax is over the same keys
+    # as the whole-square form. At T = 512 this made a CPU pre-training step about a third
+    # shorter (BENCHMARKS.md, "Causal attention chunks").
+    chunk = self.query_chunk or t
+    outs = []
+    for s0 in range(0, t, chunk):
+      e0 = min(t, s0 + chunk)
+      outs.append(_attend(qg[:, s0:e0], k[:, :e0].astype(dt), v[:, :e0].astype(dt),
+                          jnp.arange(s0, e0), None if segment_ids is None else
+                          (segment_ids[:, s0:e0], segment_ids[:, :e0]), self.head_dim, dt))
+    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
     out = out.reshape(b, t, self.num_heads, self.head_dim)
     y = jnp.einsum("bthk,hkd->btd", out, self.o.get_value().astype(dt))
     return y
+
+
+
+def _attend(qg, keys, values, q_pos, segments, head_dim: int, dt):
+  """Attention of queries qg [B, C, K, G, D] at positions q_pos [C] over keys/values
+  [B, S, K, D] at positions 0..S-1 (causal; `segments`: (query [B, C], key [B, S]) ids, keys of
+  another segment hidden) -> [B, C, K, G, D]."""
+  mask = jnp.arange(keys.shape[1])[None, None, :] <= q_pos[None, :, None]  # [1, C, S]
+  if segments is not None:
+    mask = mask & (segments[0][:, :, None] == segments[1][:, None, :])
+  scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys, preferred_element_type=jnp.float32)
+  scores = scores * (head_dim ** -0.5)
+  scores = jnp.where(mask[:, None, None, :, :], scores, _NEG_INF)
+  probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+  return jnp.einsum("bkgts,bskd->btkgd", probs, values)

@@ -45,6 +45,10 @@ class ModelConfig:
     tie_word_embeddings: share the embedding matrix with the LM head.
     fp32_lm_head: compute the LM head matmul in float32 whatever the compute dtype.
     max_seq_len: longest sequence the model is used with (sizes caches and RoPE checks).
+    attention_query_chunk: query rows per causal chunk of the full-sequence attention
+      (moe/attention.py, training and scoring): chunk i is scored against the keys up to its
+      end only, so the blocks above the diagonal are never computed; 0 scores the whole
+      [T, T] square. Results are the same either way.
     param_dtype: storage dtype of parameters ("float32", "bfloat16").
     dtype: compute dtype of activations and matmuls.
     expert_impl: "ragged" (dropless grouped matmul, `jax.lax.ragged_dot`; efficient on GPU/TPU),
@@ -87,6 +91,7 @@ class ModelConfig:
   tie_word_embeddings: bool = False
   fp32_lm_head: bool = True
   max_seq_len: int = 512
+  attention_query_chunk: int = 128
   param_dtype: str = "float32"
   dtype: str = "float32"
   expert_impl: str = "auto"
@@ -116,6 +121,7 @@ class ModelConfig:
          f"expert_dispatch must be one of {EXPERT_DISPATCHES}")
     need(self.capacity_factor is None or self.capacity_factor > 0,
          "capacity_factor must be positive or None")
+    need(self.attention_query_chunk >= 0, "attention_query_chunk must be >= 0")
     need(self.resolved_head_dim % 2 == 0, "head_dim must be even (RoPE)")
     for f in ("param_dtype", "dtype"):
       need(getattr(self, f) in ("float32", "bfloat16", "float16"),

@@ -12,6 +12,8 @@ against what this CPU was shown to reach, not one small matmul's rate.
       --chip h200 --mesh 1,1,1,1
   .venv/bin/python -m tools.bench_learner --gin_file=moe/configs/tiny.gin --seq_len 512 \
       --expert_impls dispatch,grouped      # the routed-expert paths, same batch, same process
+  .venv/bin/python -m tools.bench_learner --gin_file=moe/configs/tiny.gin --seq_len 512 \
+      --query_chunks 0,128,0,128           # whole-square attention against causal chunks
 """
 
 from __future__ import annotations
@@ -113,11 +115,11 @@ def bench(cfg, *, seq_len: int, batch_rows: int, steps: int, warmup: int, object
   return out
 
 
-def compare_impls(runs: dict) -> dict:
-  """One report of several expert implementations timed in one process: each one's figures and
-  its step time over the first one's (the same batch, the same threads)."""
+def compare_runs(runs: dict, by: str = "expert_impl") -> dict:
+  """One report of several settings of `by` (a ModelConfig field) timed in one process: each
+  one's figures and its step time over the first one's (the same batch, the same threads)."""
   first = next(iter(runs.values()))
-  return {"by_expert_impl": runs,
+  return {f"by_{by}": runs,
           "step_time_over_first": {k: r["step_time_s"] / first["step_time_s"]
                                    for k, r in runs.items()},
           "loss_diff_from_first": {k: abs(r["final_loss"] - first["final_loss"])
@@ -145,6 +147,10 @@ def main(argv=None) -> int:
                  help="comma-separated ModelConfig.expert_impl values to time one after the "
                       "other in this process (e.g. dispatch,grouped); the report adds each "
                       "one's step time over the first's")
+  p.add_argument("--query_chunks", default="",
+                 help="comma-separated ModelConfig.attention_query_chunk values to time the "
+                      "same way (0: whole-square attention); a value repeated is timed again "
+                      "and reported as VALUE#N")
   p.add_argument("--chip", default=None, help=f"one of {sorted(flops.PEAK_FLOPS)}")
   p.add_argument("--peak_tflops", type=float, default=None,
                  help="peak per device, TFLOP/s (default: without --chip, the best matmul "
@@ -160,9 +166,16 @@ def main(argv=None) -> int:
             mesh_shape=tuple(int(x) for x in args.mesh.split(",")),
             micro_batches=args.micro_batches, chip=args.chip, peak_tflops=args.peak_tflops)
   impls = [x for x in args.expert_impls.split(",") if x]
-  if impls:
-    runs = {impl: bench(cfg.replace(expert_impl=impl), **kw) for impl in impls}
-    result = compare_impls(runs)
+  chunks = [int(x) for x in args.query_chunks.split(",") if x]
+  if impls and chunks:
+    raise SystemExit("give --expert_impls or --query_chunks, not both")
+  if impls or chunks:
+    field, values = ("expert_impl", impls) if impls else ("attention_query_chunk", chunks)
+    runs = {}
+    for i, v in enumerate(values):
+      n = values[:i].count(v)
+      runs[f"{v}#{n + 1}" if n else str(v)] = bench(cfg.replace(**{field: v}), **kw)
+    result = compare_runs(runs, field)
   else:
     result = bench(cfg, **kw, measure_peak=True)
   result["machine"] = {"cpu": _cpu_name(), "xla_cpu_threads": len(os.sched_getaffinity(0)),

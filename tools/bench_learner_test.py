@@ -1,5 +1,6 @@
 """The learner benchmark on a very small config: its figures, on a scripted clock, are exact."""
 
+import json
 import sys
 
 import numpy as np
@@ -74,9 +75,21 @@ def test_expert_impls_are_timed_in_one_process_against_the_first(monkeypatch):
   kw = dict(seq_len=16, batch_rows=2, steps=2, warmup=1, objective="next_token",
             mesh_shape=(1, 1, 1, 1), micro_batches=1, peak_tflops=1e-6)
   runs = {impl: bench_learner.bench(CFG.replace(expert_impl=impl), **kw) for impl in steps}
-  r = bench_learner.compare_impls(runs)
+  r = bench_learner.compare_runs(runs)
   assert r["step_time_over_first"] == pytest.approx({"dispatch": 1.0, "grouped": 0.5})
   assert r["loss_diff_from_first"]["grouped"] < 1e-5
+
+
+def test_query_chunks_are_timed_in_one_process_and_give_the_same_loss(capsys):
+  """Whole-square attention (0) against causal chunks of 8 rows, each timed twice in order: the
+  same loss (chunking changes no result), one report keyed by value and repeat."""
+  assert bench_learner.main(["--gin_file=moe/configs/tiny.gin", "--seq_len", "32",
+                             "--batch_rows", "2", "--steps", "1", "--warmup", "1",
+                             "--query_chunks", "0,8,0,8"]) == 0
+  r = json.loads(capsys.readouterr().out)
+  assert list(r["by_attention_query_chunk"]) == ["0", "8", "0#2", "8#2"]
+  assert r["step_time_over_first"]["0"] == 1.0
+  assert max(r["loss_diff_from_first"].values()) < 1e-5
 
 
 def test_cli_rejects_unknown_chip():
