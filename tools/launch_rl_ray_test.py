@@ -3,6 +3,9 @@ faults, in one run of the tiny pipeline (tools/testing.RL_TINY_BINDINGS):
 
   * the controller's actor is killed: Ray starts it again, it resumes after the last group it
     wrote ("controller resumed at group N"), and no group is written twice or skipped;
+  * at the same time the weight relay both samplers read through (`rl_jobs.relays=1`) is
+    killed: Ray starts it again on a new port, it registers its address, and each sampler finds
+    it by name and goes past the version it held;
   * the node of a sampler is removed while it has requests in flight: the sampler is placed on
     the other sampler node and registers its new address, the controller retries its requests
     on the other sampler and follows the moved one by name. The controller grades in a Ray
@@ -17,17 +20,18 @@ the learner and trained or dropped as stale, none lost; each step in metrics.jso
 fleet's host failure counted, grades retried on another host, graded by more than one host
 process, as many grades as episodes.
 
-The cluster (ray.cluster_utils.Cluster): a head for the driver and the controller, two learner
-nodes (one spare) and two sampler nodes (which also carry the fleet's hosts), each with its own
-custom resource so each part's placement is known; every part declares one through rl.gin's
-resources, the fleet's hosts through PipelineConfig.grader_resources. About two minutes on
-the quiet 2-core machine (the restarted parts compile again).
+The cluster (ray.cluster_utils.Cluster): a head for the driver, the controller and the relay,
+two learner nodes (one spare) and two sampler nodes (which also carry the fleet's hosts), each
+with its own custom resource so each part's placement is known; every part declares one
+through rl.gin's resources, the fleet's hosts through PipelineConfig.grader_resources. About
+two minutes on the quiet 2-core machine (the restarted parts compile again).
 """
 
 import json
 import os
 import sys
 import threading
+import urllib.error
 import urllib.request
 
 import pytest
@@ -46,6 +50,8 @@ EPISODES = STEPS * 2 * 4  # prompts_per_step x attempts (RL_TINY_BINDINGS)
 WAIT_S = 240.0  # per event: a restarted part imports JAX and compiles on a loaded machine
 _MB = 1 << 20
 FLEET_LINE = "controller grading fleet "
+RELAY_LINE = "relay serving "
+SAMPLERS = ("sampler_0", "sampler_1")
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +83,8 @@ def _experiment(root_dir: str):
       '--gin.rl_jobs.gin_files=["tools/configs/runs/ray_grading.gin"]',
       '--gin.learner/resources.custom={"learner_node": 1}',
       '--gin.sampler/resources.custom={"sampler_node": 1}',
-      '--gin.controller/resources.custom={"head": 1}')
+      '--gin.controller/resources.custom={"head": 1}',
+      "--gin.rl_jobs.relays=1", '--gin.relay/resources.custom={"head": 1}')
   files, bindings, extra = configs.split_flags(flags, launcher.launch_main,
                                                extra_flags=("experiment",))
   configs.parse([configs.resolve_path(extra["experiment"]), *files], bindings)
@@ -109,6 +116,18 @@ def _busy(run, name) -> bool:
              and not line.startswith("#"))
 
 
+def _version(run, name) -> int:
+  """The weight version sampler `name` serves now (its /health), -1 if it does not answer."""
+  st = run.status(name)
+  try:
+    with urllib.request.urlopen(f"http://{st.host}:{st.port}/health", timeout=2) as r:
+      return json.loads(r.read())["policy_version"]
+  except urllib.error.HTTPError as e:  # 503 (weight sync behind) still names the version
+    return json.loads(e.read()).get("policy_version", -1)
+  except (OSError, ValueError):
+    return -1
+
+
 def _fleet(run) -> dict:
   """The fleet of the controller's latest incarnation: {"host_pids", "host_nodes"} (or {})."""
   lines = [line for line in _log(run, "controller").splitlines()
@@ -123,8 +142,8 @@ def _node(cluster, node_id):
   raise AssertionError(f"no worker node {node_id}")
 
 
-def test_rl_gin_on_ray_survives_a_controller_a_sampler_node_and_the_learner_node(cluster,
-                                                                                  tmp_path):
+def test_rl_gin_on_ray_survives_a_controller_a_relay_a_sampler_node_and_the_learner_node(
+    cluster, tmp_path):
   import ray  # pylint: disable=g-import-not-at-top
   ex = ray_executor.RayExecutor(str(tmp_path), use_bazel=False, grace_s=2, out=sys.stdout,
                                 placement_timeout_s=120)
@@ -158,12 +177,20 @@ def test_rl_gin_on_ray_survives_a_controller_a_sampler_node_and_the_learner_node
     return st.restarts >= restarts and st.state == local.RUNNING
 
   try:
-    # 1. The controller's actor, once it has written a group and the learner trained a step.
-    wait_for(lambda: _learner_step(run) >= 1 and "\ngroup " in _log(run, "controller"),
-             "the first step")
+    # 1. The controller's actor, once it has written a group and the learner trained a step,
+    #    and at the same time the relay both samplers read their weights through.
+    wait_for(lambda: _learner_step(run) >= 1 and "\ngroup " in _log(run, "controller")
+             and min(_version(run, s) for s in SAMPLERS) >= 0, "the first step")
+    held = {s: _version(run, s) for s in SAMPLERS}
     ray.kill(run.actor("controller"), no_restart=False)
+    ray.kill(run.actor("relay_0"), no_restart=False)
     wait_for(lambda: back_up("controller", 1) and "controller resumed at group"
              in _log(run, "controller"), "the controller back, resumed")
+    wait_for(lambda: back_up("relay_0", 1) and _log(run, "relay_0").count(RELAY_LINE) >= 2,
+             "relay_0 placed again, serving")
+    # Both samplers find the relay again by name and go past the version they held.
+    wait_for(lambda: all(_version(run, s) > held[s] for s in SAMPLERS),
+             f"both samplers past the versions they held ({held}) through the new relay_0")
     # 2. A sampler's node while the sampler has requests in flight, then the learner's node
     #    (two faults at once: they recover side by side, which keeps the test short).
     wait_for(lambda: _learner_step(run) >= 2 and _busy(run, "sampler_0")
@@ -202,6 +229,7 @@ def test_rl_gin_on_ray_survives_a_controller_a_sampler_node_and_the_learner_node
   assert unit["infra_failures"] == 0, unit
   assert unit["restarts"]["controller"] >= 1 and unit["restarts"]["learner"] >= 1, unit
   assert unit["restarts"]["sampler_0"] >= 1, unit
+  assert unit["restarts"]["relay_0"] >= 1 and unit["restarts"]["sampler_1"] == 0, unit
   # The killed sampler's requests went to the other one (and it was followed by name to its
   # new address, above).
   assert unit["episodes_retried"] >= 1, unit
