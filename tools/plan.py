@@ -25,7 +25,7 @@ and the backward pass needs what the forward saved. Per token, with D hidden, H 
 width d_h, E experts of which k are used, expert width I, dense width F, shared width S,
 vocabulary V, a bytes per element of the compute dtype (`ModelConfig.dtype`), f = 4 (float32),
 tensor axis t and expert axis e:
-    attention layer  2fD + aD + [2a(H + 2KV)d_h + (9 + a)HT + aHd_h] / t
+    attention layer  2fD + aD + [2a(H + 2KV)d_h + (9 + a)HK + aHd_h] / t
     MoE layer        2fD + aD + 2fE + (k c / e)(3aD + fD + 6aI / t) + 6aS / t
     dense layer      2fD + aD + 6aF / t
     head             4fD + fV / t
@@ -35,7 +35,9 @@ The terms are the residuals JAX's autodiff saves for this code (jax.ad_checkpoin
 print_saved_residuals): each RMSNorm's float32 input and output and its compute-dtype copy; the
 projections' outputs before and after RoPE; the attention scores after the mask (float32), their
 exponentials (float32), the mask (one byte) and the probabilities in the compute dtype, all
-[H, T] per token (this attention materialises the T x T scores: no flash attention); the
+[H, K] per token, K the keys a query is scored against on average: T for the whole T x T
+square, (T + C) / 2 for causal chunks of C query rows (ModelConfig.attention_query_chunk; no
+flash attention: each chunk's scores are materialised, the blocks above the diagonal are not); the
 routed rows gathered into expert buffers, the SwiGLU's intermediates and each row's float32
 output for the combine; the router's float32 logits and probabilities; the final norm, the
 float32 LM-head input and the float32 log-probabilities. Tokens are replicated over the expert
@@ -113,7 +115,8 @@ def activation_bytes_per_token(cfg: ModelConfig, seq_len: int,
   a, f = np.dtype(cfg.dtype).itemsize, 4
   d, h, kv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
   norm = 2 * f * d + a * d
-  attention = norm + (2 * a * (h + 2 * kv) * hd + (9 + a) * h * seq_len + a * h * hd) / t
+  keys = scored_keys_per_query(cfg.attention_query_chunk, seq_len)
+  attention = norm + (2 * a * (h + 2 * kv) * hd + (9 + a) * h * keys + a * h * hd) / t
   c = _routed_rows_factor(cfg, e)
   moe = (norm + 2 * f * cfg.num_experts
          + cfg.num_experts_per_tok * c / e * (3 * a * d + f * d
@@ -122,6 +125,15 @@ def activation_bytes_per_token(cfg: ModelConfig, seq_len: int,
   dense = norm + 6 * a * cfg.intermediate_size / t
   layers = [attention + (dense if i < cfg.first_k_dense else moe) for i in range(cfg.num_layers)]
   return {"layers": layers, "head": 4 * f * d + f * cfg.vocab_size / t, "layer_input": a * d}
+
+
+def scored_keys_per_query(chunk: int, seq_len: int) -> float:
+  """The keys a query is scored against, averaged over a row of `seq_len` (moe/attention.py):
+  chunk i of `chunk` query rows scores the keys up to its end; 0 (or one chunk) the whole row."""
+  if not chunk or chunk >= seq_len:
+    return float(seq_len)
+  return sum(min(chunk, seq_len - s) * min(seq_len, s + chunk)
+             for s in range(0, seq_len, chunk)) / seq_len
 
 
 def activation_plan(cfg: ModelConfig, *, batch_rows: int, seq_len: int,
