@@ -70,17 +70,17 @@ class Attention(nnx.Module):
     # as the whole-square form. At T = 512 this made a CPU pre-training step about a third
     # shorter (BENCHMARKS.md, "Causal attention chunks").
     chunk = self.query_chunk or t
+    k, v = k.astype(dt), v.astype(dt)
     outs = []
     for s0 in range(0, t, chunk):
       e0 = min(t, s0 + chunk)
-      outs.append(_attend(qg[:, s0:e0], k[:, :e0].astype(dt), v[:, :e0].astype(dt),
+      outs.append(_attend(qg[:, s0:e0], k[:, :e0], v[:, :e0],
                           jnp.arange(s0, e0), None if segment_ids is None else
                           (segment_ids[:, s0:e0], segment_ids[:, :e0]), self.head_dim, dt))
     out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
     out = out.reshape(b, t, self.num_heads, self.head_dim)
     y = jnp.einsum("bthk,hkd->btd", out, self.o.get_value().astype(dt))
     return y
-
 
 
 def _attend(qg, keys, values, q_pos, segments, head_dim: int, dt):

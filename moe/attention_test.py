@@ -27,10 +27,10 @@ def _inputs(b=2, t=45, seed=0):
 
 def _reference(attn, x, pos, seg):
   """The whole [T, T] square in numpy: causal, same segment only."""
-  p = lambda name: np.asarray(getattr(attn, name).get_value())  # pylint: disable=unnecessary-lambda-assignment
-  q = np.einsum("btd,dhk->bthk", x, p("q"))
-  k = np.einsum("btd,dhk->bthk", x, p("k"))
-  v = np.einsum("btd,dhk->bthk", x, p("v"))
+  wq, wk, wv, wo = (np.asarray(getattr(attn, n).get_value()) for n in ("q", "k", "v", "o"))
+  q = np.einsum("btd,dhk->bthk", x, wq)
+  k = np.einsum("btd,dhk->bthk", x, wk)
+  v = np.einsum("btd,dhk->bthk", x, wv)
   q = np.asarray(layers.rope(jnp.asarray(q), jnp.asarray(pos), attn.rope_theta))
   k = np.asarray(layers.rope(jnp.asarray(k), jnp.asarray(pos), attn.rope_theta))
   g = attn.num_heads // attn.num_kv_heads
@@ -43,7 +43,7 @@ def _reference(attn, x, pos, seg):
   w = np.exp(s - s.max(-1, keepdims=True))
   w /= w.sum(-1, keepdims=True)
   out = np.einsum("bhts,bshd->bthd", w, v)
-  return np.einsum("bthk,hkd->btd", out, p("o"))
+  return np.einsum("bthk,hkd->btd", out, wo)
 
 
 @pytest.mark.parametrize("chunk", [0, 8, 16, 45, 128])

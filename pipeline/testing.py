@@ -141,4 +141,3 @@ def ready_delta_kernels(work_dir: str) -> None:
   channel.publish({k: np.asarray(v) * np.float32(1.01) for k, v in flat.items()}, 1)
   if processes.wait_for_weights(url, timeout_s=60)[1].version != 1:
     raise AssertionError("the test model's delta (version 1) was not applied")
-
