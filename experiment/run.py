@@ -133,10 +133,8 @@ def corpus(cfg: ExperimentConfig, all_tasks, pool, tokenizer=None, *,
   # The oracle takes the turns its plan needs (the task's limit), whatever RL's turn cap.
   loop = dataclasses.replace(cfg.agent.loop_config(cfg.rl.pipeline.max_new_tokens, chat),
                              max_turns=None)
-  sources_ = [t for t in all_tasks if t.split == "train"]
-  if p.random_name_tasks:
-    sources_ += suite_repo.generate(seed=cfg.seed + 1, per_template=p.random_name_tasks,
-                                    names="random")
+  sources_ = [t for t in all_tasks if t.split == "train"] + made_up_tasks(
+      cfg, 0, p.random_name_tasks)
   sources_ = sources_[::tasks_share]
   records = []
   for r in range(p.corpus_repeats):
@@ -148,6 +146,20 @@ def corpus(cfg: ExperimentConfig, all_tasks, pool, tokenizer=None, *,
   np.random.default_rng(cfg.seed).shuffle(docs)
   return docs, {**transcripts_lib.stats(records), "documents": len(docs),
                 "code_documents": len(code), "agent_documents": len(agent_docs)}
+
+
+def made_up_tasks(cfg: ExperimentConfig, first: int, count: int) -> list:
+  """Made-up-name repository tasks `first` .. `first + count - 1` of each template.
+
+  One generator (seed cfg.seed + 1) serves pre-training's transcripts (0 ..
+  pretrain.random_name_tasks - 1) and RL's extra tasks (the ones after): a larger count draws
+  the same first tasks, and the suite never repeats a repository, a failing assertion or a fix,
+  so RL's are none of the corpus's.
+  """
+  if count <= 0:
+    return []
+  made_up = suite_repo.generate(seed=cfg.seed + 1, per_template=first + count, names="random")
+  return [t for t in made_up if int(t.task_id.rsplit("-", 1)[1]) >= first]
 
 
 def make_tokenizer(cfg: ExperimentConfig, all_tasks, pool):
@@ -293,7 +305,8 @@ def eval_split(cfg: ExperimentConfig, tasks: Optional[Sequence] = None):
   With cfg.rl_tasks == "held_back" the RL tasks are a share of the train tasks relabelled
   split="rl_only" in `all tasks`, so the corpus and the tokenizer, which read the train split,
   never see them. cfg.rl_templates then keeps the RL tasks of those templates only (the corpus
-  and the evaluated split keep every template).
+  and the evaluated split keep every template). cfg.rl_random_name_tasks adds made-up-name
+  tasks to RL's (`made_up_tasks`, after the corpus's).
 
   `tasks`: the tasks to use (default: cfg.task_file's, else the built-in suite of cfg.suite,
   envs.tasks.suite_pyfunc or envs.tasks.suite_repo),
@@ -323,6 +336,10 @@ def eval_split(cfg: ExperimentConfig, tasks: Optional[Sequence] = None):
       raise ValueError(f"rl_templates {unknown} match no RL task (their templates: "
                        f"{sorted(map(str, known))})")
     train = [t for t in train if t.metadata.get("template") in cfg.rl_templates]
+  if cfg.rl_random_name_tasks:
+    extra = made_up_tasks(cfg, cfg.pretrain.random_name_tasks, cfg.rl_random_name_tasks)
+    train += [t for t in extra
+              if not cfg.rl_templates or t.metadata.get("template") in cfg.rl_templates]
   return all_tasks, train[:cfg.train_tasks], evaluated[:cfg.heldout_tasks], name
 
 
@@ -450,6 +467,10 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
                  "hack_flagged": 0, "policy_version": rl_learner.policy_version}
     step_groups: dict = {}
     feedback: list = []  # per step: (attempts that saw a visible test fail, of them passed)
+    # Per step: (attempts on tasks RL had not trained on before, of them passed): the training
+    # pass rate on repeats can rise by recall; on first visits only by skill.
+    first_visits: list = []
+    visited: set = set()
 
     def on_group(g):
       step_groups.setdefault(g.step, []).append(g)
@@ -459,6 +480,11 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
       rewards = [x for g in groups for x in g.rewards if x is not None]
       passed = [x for g in groups for x in g.passed]
       out = dict(metrics)
+      new = [x for g in groups if g.task_id not in visited for x in g.passed]
+      visited.update(g.task_id for g in groups)
+      first_visits.append((len(new), sum(new)))
+      if new:
+        out["first_visit_pass_rate"] = float(np.mean(new))
       graded = [[x for x in g.rewards if x is not None] for g in groups]
       stds = [float(np.std(v)) for v in graded if v]
       out.update(reward=float(np.mean(rewards)) if rewards else 0.0,
@@ -508,6 +534,7 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
                    "prefix_cache_hit_rate": round(result.samplers["prefix_cache_hit_rate"], 4),
                    "overflow_episodes": result.batcher["overflow_episodes"],
                    "feedback": _feedback_trend(feedback),
+                   "first_visit": _first_visit_trend(first_visits),
                    "infra_failures": result.batcher["infra_failures"],
                    "zero_variance_groups": result.batcher["zero_variance_groups"],
                    "zero_variance_filtered": result.batcher["zero_variance_filtered"],
@@ -573,18 +600,30 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
   return summary
 
 
+def _quarters(per_step: list) -> dict:
+  """Over the first and the last quarter of the steps, sum(b) / sum(a) of the steps' (a, b)
+  counts (None where a is 0)."""
+  q = max(1, len(per_step) // 4)
+
+  def share(rows):
+    n = sum(a for a, _ in rows)
+    return None if not n else round(sum(b for _, b in rows) / n, 4)
+  return {"first_quarter": share(per_step[:q]), "last_quarter": share(per_step[-q:])}
+
+
 def _feedback_trend(per_step: list) -> dict:
   """Whether the agent uses test feedback more as RL goes on: over the first and the last
   quarter of the steps, the share of attempts that saw a visible test fail and still passed
   every hidden test (None where no attempt saw a failure)."""
-  q = max(1, len(per_step) // 4)
-
-  def share(rows):
-    saw = sum(a for a, _ in rows)
-    return None if not saw else round(sum(b for _, b in rows) / saw, 4)
-  return {"first_quarter": share(per_step[:q]), "last_quarter": share(per_step[-q:]),
-          "saw_failing_test": sum(a for a, _ in per_step),
+  return {**_quarters(per_step), "saw_failing_test": sum(a for a, _ in per_step),
           "fixed_after_failure": sum(b for _, b in per_step)}
+
+
+def _first_visit_trend(per_step: list) -> dict:
+  """The pass rate of attempts on tasks RL had not trained on before, over the first and the
+  last quarter of the steps (None where a quarter had none): a rise is skill, not recall."""
+  return {**_quarters(per_step), "attempts": sum(a for a, _ in per_step),
+          "passed": sum(b for _, b in per_step)}
 
 
 def final_line(summary: dict) -> str:

@@ -176,6 +176,37 @@ def test_rl_templates_filter_rl_tasks_only():
     ExperimentConfig(**repo, rl_templates="rename")
 
 
+def test_rl_random_name_tasks_join_rl_only_and_are_none_of_the_corpus():
+  from experiment.config import AgentConfig, PretrainConfig  # pylint: disable=g-import-not-at-top
+  repo = dict(model=TINY, suite="repo", agent=AgentConfig(max_context_tokens=100),
+              rl_tasks="held_back", rl_templates=("rename", "op"),
+              pretrain=PretrainConfig(random_name_tasks=6))
+  all_tasks, rl, evaluated, _ = run_lib.eval_split(ExperimentConfig(**repo))
+  cfg = ExperimentConfig(**repo, rl_random_name_tasks=4)
+  x_all, x_rl, x_eval, _ = run_lib.eval_split(cfg)
+  # The suite, the evaluated split and the standard RL tasks are unchanged; 4 made-up tasks of
+  # each kept template join RL.
+  assert [(t.task_id, t.split) for t in x_all] == [(t.task_id, t.split) for t in all_tasks]
+  assert [t.task_id for t in x_eval] == [t.task_id for t in evaluated]
+  assert [t.task_id for t in x_rl[:len(rl)]] == [t.task_id for t in rl]
+  extra = x_rl[len(rl):]
+  assert len(extra) == 8
+  assert sorted(t.metadata["template"] for t in extra) == ["op"] * 4 + ["rename"] * 4
+  # None is a task the corpus's transcripts show (the first 6 made-up tasks of each template):
+  # no id, repository or fix in common, and none is a suite task.
+  corpus_made_up = run_lib.made_up_tasks(cfg, 0, 6)
+  assert len(corpus_made_up) == 6 * 5
+  assert not {t.task_id for t in extra} & {t.task_id for t in corpus_made_up + all_tasks}
+  fixes = lambda ts: {tuple(sorted(t.metadata["fix"].items())) for t in ts}
+  assert not fixes(extra) & fixes(corpus_made_up + all_tasks)
+  assert not {tuple(sorted(t.files.items())) for t in extra} & {
+      tuple(sorted(t.files.items())) for t in corpus_made_up}
+  with pytest.raises(ValueError, match="rl_random_name_tasks must be >= 0"):
+    ExperimentConfig(**repo, rl_random_name_tasks=-1)
+  with pytest.raises(ValueError, match="needs the repository suite"):
+    ExperimentConfig(model=TINY, rl_random_name_tasks=2)
+
+
 def test_rl_learner_takes_the_rl_settings():
   learner_cfg = LearnerConfig(
       optimizer=OptimizerConfig(learning_rate=3e-4, warmup_steps=5),
@@ -274,6 +305,8 @@ def test_agentic_experiment_end_to_end(tmp_path):
   for key in ("episodes_trained", "mean_turns", "tool_calls_per_episode", "summarised_episodes",
               "hack_flagged", "zero_variance_groups", "prefix_cache_hit_rate", "feedback"):
     assert key in rl, key
+  # Every attempt of the one step is on a task RL had not seen.
+  assert rl["first_visit"]["attempts"] == rl["episodes_generated"] > 0, rl
   assert rl["episodes_trained"] == 4 and rl["mean_turns"] >= 1
   # Later turns of an episode continue the previous request: the samplers' prefix cache hit.
   assert rl["prefix_cache_hit_rate"] > 0, rl
