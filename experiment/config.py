@@ -255,8 +255,8 @@ class ExperimentConfig:
   # tasks that can teach. Evaluation always covers every template.
   rl_templates: tuple = ()
   # Repository suite: RL also trains on this many made-up-name tasks per template
-  # (envs.tasks.suite_repo.generate(names="random"), the ones after pre-training's
-  # `pretrain.random_name_tasks`, so no transcript shows them; `rl_templates` filters them too).
+  # (envs.tasks.suite_repo.generate(names="random") with a seed of their own, so no transcript
+  # shows them: experiment.run.made_up_tasks; `rl_templates` filters them too; at most 100).
   # Each is a new repository whose names exist nowhere else, so an attempt can pass only by
   # reading its context and tools, never by recalling a task RL has seen before: with enough of
   # them every RL group is a task seen once, and the training pass rate measures the skill that

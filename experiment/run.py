@@ -134,7 +134,7 @@ def corpus(cfg: ExperimentConfig, all_tasks, pool, tokenizer=None, *,
   loop = dataclasses.replace(cfg.agent.loop_config(cfg.rl.pipeline.max_new_tokens, chat),
                              max_turns=None)
   sources_ = [t for t in all_tasks if t.split == "train"] + made_up_tasks(
-      cfg, 0, p.random_name_tasks)
+      cfg, "corpus", p.random_name_tasks)
   sources_ = sources_[::tasks_share]
   records = []
   for r in range(p.corpus_repeats):
@@ -148,18 +148,24 @@ def corpus(cfg: ExperimentConfig, all_tasks, pool, tokenizer=None, *,
                 "code_documents": len(code), "agent_documents": len(agent_docs)}
 
 
-def made_up_tasks(cfg: ExperimentConfig, first: int, count: int) -> list:
-  """Made-up-name repository tasks `first` .. `first + count - 1` of each template.
+def made_up_tasks(cfg: ExperimentConfig, purpose: str, count: int) -> list:
+  """`count` made-up-name repository tasks per template (envs.tasks.suite_repo, names="random").
 
-  One generator (seed cfg.seed + 1) serves pre-training's transcripts (0 ..
-  pretrain.random_name_tasks - 1) and RL's extra tasks (the ones after): a larger count draws
-  the same first tasks, and the suite never repeats a repository, a failing assertion or a fix,
-  so RL's are none of the corpus's.
+  purpose "corpus": pre-training's transcripts (seed cfg.seed + 1); "rl": RL's extra tasks
+  (cfg.seed + 3; the copy probe's are cfg.seed + 2), ids `repo-random-rl-<template>-<n>`.
+  Their names are made up afresh, so no RL task is a repository of the corpus's; a fix (3 of
+  400 at 100 + 80 a template) or a generic assertion such as `assert double(3) == 6` may recur
+  by chance (one generator holds at most 100 distinct assertions for some templates, fewer
+  than the corpus and RL want together).
   """
   if count <= 0:
     return []
-  made_up = suite_repo.generate(seed=cfg.seed + 1, per_template=first + count, names="random")
-  return [t for t in made_up if int(t.task_id.rsplit("-", 1)[1]) >= first]
+  seed = {"corpus": 1, "rl": 3}[purpose]
+  tasks = suite_repo.generate(seed=cfg.seed + seed, per_template=count, names="random")
+  if purpose == "rl":
+    tasks = [dataclasses.replace(t, task_id=t.task_id.replace("repo-random-", "repo-random-rl-",
+                                                              1)) for t in tasks]
+  return tasks
 
 
 def make_tokenizer(cfg: ExperimentConfig, all_tasks, pool):
@@ -337,7 +343,7 @@ def eval_split(cfg: ExperimentConfig, tasks: Optional[Sequence] = None):
                        f"{sorted(map(str, known))})")
     train = [t for t in train if t.metadata.get("template") in cfg.rl_templates]
   if cfg.rl_random_name_tasks:
-    extra = made_up_tasks(cfg, cfg.pretrain.random_name_tasks, cfg.rl_random_name_tasks)
+    extra = made_up_tasks(cfg, "rl", cfg.rl_random_name_tasks)
     train += [t for t in extra
               if not cfg.rl_templates or t.metadata.get("template") in cfg.rl_templates]
   return all_tasks, train[:cfg.train_tasks], evaluated[:cfg.heldout_tasks], name

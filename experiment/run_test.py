@@ -192,9 +192,10 @@ def test_rl_random_name_tasks_join_rl_only_and_are_none_of_the_corpus():
   extra = x_rl[len(rl):]
   assert len(extra) == 8
   assert sorted(t.metadata["template"] for t in extra) == ["op"] * 4 + ["rename"] * 4
-  # None is a task the corpus's transcripts show (the first 6 made-up tasks of each template):
-  # no id, repository or fix in common, and none is a suite task.
-  corpus_made_up = run_lib.made_up_tasks(cfg, 0, 6)
+  # None is a task the corpus's transcripts show (6 made-up tasks of each template): no id,
+  # repository or fix in common here (at 100 + 80 a template 3 fixes recur by chance), and
+  # none is a suite task.
+  corpus_made_up = run_lib.made_up_tasks(cfg, "corpus", 6)
   assert len(corpus_made_up) == 6 * 5
   assert not {t.task_id for t in extra} & {t.task_id for t in corpus_made_up + all_tasks}
   fixes = lambda ts: {tuple(sorted(t.metadata["fix"].items())) for t in ts}
