@@ -254,14 +254,6 @@ class ExperimentConfig:
   # all-fail) yet costs the samplers whole episodes; leaving it out of RL spends them on
   # tasks that can teach. Evaluation always covers every template.
   rl_templates: tuple = ()
-  # Repository suite: RL also trains on this many made-up-name tasks per template
-  # (envs.tasks.suite_repo.generate(names="random") with a seed of their own, so no transcript
-  # shows them: experiment.run.made_up_tasks; `rl_templates` filters them too; at most 100).
-  # Each is a new repository whose names exist nowhere else, so an attempt can pass only by
-  # reading its context and tools, never by recalling a task RL has seen before: with enough of
-  # them every RL group is a task seen once, and the training pass rate measures the skill that
-  # the evaluated tasks need rather than what the RL tasks' answers are.
-  rl_random_name_tasks: int = 0
 
   def __post_init__(self):
     if self.suite not in SUITES:
@@ -286,11 +278,6 @@ class ExperimentConfig:
         isinstance(t, str) and t for t in self.rl_templates):
       raise ValueError(f"rl_templates must be a tuple of template names, got "
                        f"{self.rl_templates!r}")
-    if self.rl_random_name_tasks < 0:
-      raise ValueError(f"rl_random_name_tasks must be >= 0, got {self.rl_random_name_tasks}")
-    if self.rl_random_name_tasks and self.suite != "repo":
-      raise ValueError("rl_random_name_tasks needs the repository suite (suite='repo'), got "
-                       f"suite={self.suite!r}")
     if not 0.0 < self.rl_held_back_fraction < 1.0:
       raise ValueError(f"rl_held_back_fraction must lie in (0, 1), got "
                        f"{self.rl_held_back_fraction}")

@@ -133,8 +133,10 @@ def corpus(cfg: ExperimentConfig, all_tasks, pool, tokenizer=None, *,
   # The oracle takes the turns its plan needs (the task's limit), whatever RL's turn cap.
   loop = dataclasses.replace(cfg.agent.loop_config(cfg.rl.pipeline.max_new_tokens, chat),
                              max_turns=None)
-  sources_ = [t for t in all_tasks if t.split == "train"] + made_up_tasks(
-      cfg, "corpus", p.random_name_tasks)
+  sources_ = [t for t in all_tasks if t.split == "train"]
+  if p.random_name_tasks:
+    sources_ += suite_repo.generate(seed=cfg.seed + 1, per_template=p.random_name_tasks,
+                                    names="random")
   sources_ = sources_[::tasks_share]
   records = []
   for r in range(p.corpus_repeats):
@@ -146,26 +148,6 @@ def corpus(cfg: ExperimentConfig, all_tasks, pool, tokenizer=None, *,
   np.random.default_rng(cfg.seed).shuffle(docs)
   return docs, {**transcripts_lib.stats(records), "documents": len(docs),
                 "code_documents": len(code), "agent_documents": len(agent_docs)}
-
-
-def made_up_tasks(cfg: ExperimentConfig, purpose: str, count: int) -> list:
-  """`count` made-up-name repository tasks per template (envs.tasks.suite_repo, names="random").
-
-  purpose "corpus": pre-training's transcripts (seed cfg.seed + 1); "rl": RL's extra tasks
-  (cfg.seed + 3; the copy probe's are cfg.seed + 2), ids `repo-random-rl-<template>-<n>`.
-  Their names are made up afresh, so no RL task is a repository of the corpus's; a fix (3 of
-  400 at 100 + 80 a template) or a generic assertion such as `assert double(3) == 6` may recur
-  by chance (one generator holds at most 100 distinct assertions for some templates, fewer
-  than the corpus and RL want together).
-  """
-  if count <= 0:
-    return []
-  seed = {"corpus": 1, "rl": 3}[purpose]
-  tasks = suite_repo.generate(seed=cfg.seed + seed, per_template=count, names="random")
-  if purpose == "rl":
-    tasks = [dataclasses.replace(t, task_id=t.task_id.replace("repo-random-", "repo-random-rl-",
-                                                              1)) for t in tasks]
-  return tasks
 
 
 def make_tokenizer(cfg: ExperimentConfig, all_tasks, pool):
@@ -311,8 +293,7 @@ def eval_split(cfg: ExperimentConfig, tasks: Optional[Sequence] = None):
   With cfg.rl_tasks == "held_back" the RL tasks are a share of the train tasks relabelled
   split="rl_only" in `all tasks`, so the corpus and the tokenizer, which read the train split,
   never see them. cfg.rl_templates then keeps the RL tasks of those templates only (the corpus
-  and the evaluated split keep every template). cfg.rl_random_name_tasks adds made-up-name
-  tasks to RL's (`made_up_tasks`, after the corpus's).
+  and the evaluated split keep every template).
 
   `tasks`: the tasks to use (default: cfg.task_file's, else the built-in suite of cfg.suite,
   envs.tasks.suite_pyfunc or envs.tasks.suite_repo),
@@ -342,10 +323,6 @@ def eval_split(cfg: ExperimentConfig, tasks: Optional[Sequence] = None):
       raise ValueError(f"rl_templates {unknown} match no RL task (their templates: "
                        f"{sorted(map(str, known))})")
     train = [t for t in train if t.metadata.get("template") in cfg.rl_templates]
-  if cfg.rl_random_name_tasks:
-    extra = made_up_tasks(cfg, "rl", cfg.rl_random_name_tasks)
-    train += [t for t in extra
-              if not cfg.rl_templates or t.metadata.get("template") in cfg.rl_templates]
   return all_tasks, train[:cfg.train_tasks], evaluated[:cfg.heldout_tasks], name
 
 

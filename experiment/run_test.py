@@ -176,36 +176,14 @@ def test_rl_templates_filter_rl_tasks_only():
     ExperimentConfig(**repo, rl_templates="rename")
 
 
-def test_rl_random_name_tasks_join_rl_only_and_are_none_of_the_corpus():
-  from experiment.config import AgentConfig, PretrainConfig  # pylint: disable=g-import-not-at-top
-  repo = dict(model=TINY, suite="repo", agent=AgentConfig(max_context_tokens=100),
-              rl_tasks="held_back", rl_templates=("rename", "op"),
-              pretrain=PretrainConfig(random_name_tasks=6))
-  all_tasks, rl, evaluated, _ = run_lib.eval_split(ExperimentConfig(**repo))
-  cfg = ExperimentConfig(**repo, rl_random_name_tasks=4)
-  x_all, x_rl, x_eval, _ = run_lib.eval_split(cfg)
-  # The suite, the evaluated split and the standard RL tasks are unchanged; 4 made-up tasks of
-  # each kept template join RL.
-  assert [(t.task_id, t.split) for t in x_all] == [(t.task_id, t.split) for t in all_tasks]
-  assert [t.task_id for t in x_eval] == [t.task_id for t in evaluated]
-  assert [t.task_id for t in x_rl[:len(rl)]] == [t.task_id for t in rl]
-  extra = x_rl[len(rl):]
-  assert len(extra) == 8
-  assert sorted(t.metadata["template"] for t in extra) == ["op"] * 4 + ["rename"] * 4
-  # None is a task the corpus's transcripts show (6 made-up tasks of each template): no id,
-  # repository or fix in common here (at 100 + 80 a template 3 fixes recur by chance), and
-  # none is a suite task.
-  corpus_made_up = run_lib.made_up_tasks(cfg, "corpus", 6)
-  assert len(corpus_made_up) == 6 * 5
-  assert not {t.task_id for t in extra} & {t.task_id for t in corpus_made_up + all_tasks}
-  fixes = lambda ts: {tuple(sorted(t.metadata["fix"].items())) for t in ts}
-  assert not fixes(extra) & fixes(corpus_made_up + all_tasks)
-  assert not {tuple(sorted(t.files.items())) for t in extra} & {
-      tuple(sorted(t.files.items())) for t in corpus_made_up}
-  with pytest.raises(ValueError, match="rl_random_name_tasks must be >= 0"):
-    ExperimentConfig(**repo, rl_random_name_tasks=-1)
-  with pytest.raises(ValueError, match="needs the repository suite"):
-    ExperimentConfig(model=TINY, rl_random_name_tasks=2)
+def test_first_visit_trend_counts_only_steps_with_new_tasks():
+  # 8 steps: new tasks in the first three only (later steps repeat them).
+  per_step = [(8, 2), (8, 4), (4, 3)] + [(0, 0)] * 5
+  t = run_lib._first_visit_trend(per_step)  # pylint: disable=protected-access
+  assert t == {"first_quarter": 0.375, "last_quarter": None, "attempts": 20, "passed": 9}
+  f = run_lib._feedback_trend([(4, 1), (2, 0), (5, 5), (5, 4)])  # pylint: disable=protected-access
+  assert f == {"first_quarter": 0.25, "last_quarter": 0.8, "saw_failing_test": 16,
+               "fixed_after_failure": 10}
 
 
 def test_rl_learner_takes_the_rl_settings():
