@@ -65,8 +65,10 @@ from rollout.engine_types import EngineConfig
 from rollout.sampling import MAX_TOP_LOGPROBS
 
 # jax.monitoring events: one BACKEND_COMPILE per executable built or loaded from the persistent
-# cache (an executable jit already holds records none); CACHE_HIT per persistent-cache load.
+# cache (an executable jit already holds records none); CACHE_REQUEST per compilation that
+# consulted the persistent cache (none while it is off); CACHE_HIT per load from it.
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+CACHE_REQUEST = "/jax/compilation_cache/compile_requests_use_cache"
 CACHE_HIT = "/jax/compilation_cache/cache_hits"
 
 KINDS = ("prefill", "extend", "decode", "copy")
@@ -224,12 +226,15 @@ def compile_program(p: Program, *, cfg: ModelConfig, config: EngineConfig,
 class CompileCounter:
   """Counts, while open (`with CompileCounter() as c:`), the executables built or loaded in
   this process: `c.compiled` XLA compilations, `c.cache_hits` loads from JAX's persistent
-  compilation cache, `c.compile_seconds` the time of both. Process-wide: a compilation in any
-  thread counts."""
+  compilation cache, `c.cache_requests` compilations that asked it (`//tools:rl_part`'s last
+  line reports both), `c.compile_seconds` the time of all. Process-wide: a compilation in any
+  thread counts. The one counter of JAX's compilation events (testlib/jax_cache.py, below every
+  layer, counts the two cache events for test processes on its own)."""
 
   def __init__(self):
     self._lock = threading.Lock()
     self.executables = 0
+    self.cache_requests = 0
     self.cache_hits = 0
     self.compile_seconds = 0.0
 
@@ -247,15 +252,25 @@ class CompileCounter:
     if event == CACHE_HIT:
       with self._lock:
         self.cache_hits += 1
+    elif event == CACHE_REQUEST:
+      with self._lock:
+        self.cache_requests += 1
 
-  def __enter__(self) -> "CompileCounter":
+  def start(self) -> "CompileCounter":
+    """Starts counting (`with` does this); returns self."""
     jax.monitoring.register_event_duration_secs_listener(self._on_duration)
     jax.monitoring.register_event_listener(self._on_event)
     return self
 
-  def __exit__(self, *exc) -> None:
+  def stop(self) -> None:
     jax.monitoring.unregister_event_duration_listener(self._on_duration)
     jax.monitoring.unregister_event_listener(self._on_event)
+
+  def __enter__(self) -> "CompileCounter":
+    return self.start()
+
+  def __exit__(self, *exc) -> None:
+    self.stop()
 
 
 def compile_all(progs: Sequence[Program], compile_one: Callable[[Program], None],

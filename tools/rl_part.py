@@ -135,7 +135,9 @@ def main(argv=None, *, cache_by_default: bool = False) -> int:
   # Before anything compiles: JAX decides at its first compilation whether the cache is used.
   cache = None
   if args.compilation_cache_dir and args.part != "relay":
-    cache = _CacheCounts(compilation_cache.enable(args.compilation_cache_dir))
+    from rollout import warmup  # pylint: disable=g-import-not-at-top
+    cache_dir = compilation_cache.enable(args.compilation_cache_dir)
+    cache = warmup.CompileCounter().start()  # for the process's life: its last line
   if args.num_processes != 1 or args.process_id or args.coordinator:
     if args.part != "learner":
       p.error("--num_processes, --process_id and --coordinator are the learner's")
@@ -163,33 +165,19 @@ def main(argv=None, *, cache_by_default: bool = False) -> int:
     return 2
   finally:
     if cache is not None:
-      print(cache.line(), flush=True)
+      print(_cache_line(cache_dir, cache), flush=True)
 
 
 CACHE_LINE = "compilation cache "
 
 
-class _CacheCounts:
-  """Counts what this process asked JAX's persistent compilation cache and what it found there
-  (JAX's monitoring events); `line()` is the part's last line, `compilation cache {json}`:
-  `requests` compilations that consulted the cache, `hits` of them loaded from it."""
-
-  def __init__(self, directory: str):
-    import jax  # pylint: disable=g-import-not-at-top
-    self.directory = directory
-    self.requests = self.hits = 0
-    jax.monitoring.register_event_listener(self._event)
-
-  def _event(self, event: str, **_):
-    if event == "/jax/compilation_cache/compile_requests_use_cache":
-      self.requests += 1
-    elif event == "/jax/compilation_cache/cache_hits":
-      self.hits += 1
-
-  def line(self) -> str:
-    import json  # pylint: disable=g-import-not-at-top
-    return CACHE_LINE + json.dumps({"dir": self.directory, "requests": self.requests,
-                                    "hits": self.hits})
+def _cache_line(directory: str, counter) -> str:
+  """The part's last line, `compilation cache {json}`: `requests` compilations that consulted
+  JAX's persistent compilation cache, `hits` of them loaded from it (a
+  `rollout.warmup.CompileCounter` open since the cache was turned on)."""
+  import json  # pylint: disable=g-import-not-at-top
+  return CACHE_LINE + json.dumps({"dir": directory, "requests": counter.cache_requests,
+                                  "hits": counter.cache_hits})
 
 
 def _default_cache_dir() -> str:
