@@ -20,8 +20,9 @@ What:
     (`jax.jit(f).lower(shapes).compile()`).
   * `compile_all(programs, compile_one, progress, threads, stop)`: compiles a list, several at
     a time, calls `progress(done, total, what)` after each, and returns counts and seconds.
-  * `CompileCounter`: XLA compilations and persistent-cache hits in a span of time
-    (`jax.monitoring` events), for warm-up's summary and for tests that prove nothing compiles.
+  * `CompileCounter`: XLA compilations and persistent-cache requests and hits in a span of time
+    (`jax.monitoring` events), for warm-up's summary, `//tools:rl_part`'s last line and tests
+    that prove nothing compiles.
 
 Why ahead of time, from shapes: lowering from `jax.ShapeDtypeStruct`s reads no buffer and runs
 nothing, so warm-up can run beside a serving engine and changes nothing a request sees (KV cache,
