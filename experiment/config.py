@@ -254,6 +254,13 @@ class ExperimentConfig:
   # all-fail) yet costs the samplers whole episodes; leaving it out of RL spends them on
   # tasks that can teach. Evaluation always covers every template.
   rl_templates: tuple = ()
+  # Repository suite: RL also trains on up to this many fresh tasks of each RL template
+  # (envs.tasks.suite_repo.generate_fresh, seed + 3): the suite's names, but no combination,
+  # visible assertion or fix of any suite task (held-out, validation or train), and none in the
+  # corpus. With them RL's groups are mostly tasks it meets once, so its gains must be skills
+  # that carry to unseen repositories, not recall of a few dozen tasks met again and again.
+  # op and rename have few left to draw (their combinations run out), helper and imports many.
+  rl_fresh_tasks: int = 0
 
   def __post_init__(self):
     if self.suite not in SUITES:
@@ -278,6 +285,9 @@ class ExperimentConfig:
         isinstance(t, str) and t for t in self.rl_templates):
       raise ValueError(f"rl_templates must be a tuple of template names, got "
                        f"{self.rl_templates!r}")
+    if self.rl_fresh_tasks < 0 or (self.rl_fresh_tasks and self.suite != "repo"):
+      raise ValueError(f"rl_fresh_tasks must be >= 0, and 0 unless suite is 'repo' (got "
+                       f"{self.rl_fresh_tasks} with suite {self.suite!r})")
     if not 0.0 < self.rl_held_back_fraction < 1.0:
       raise ValueError(f"rl_held_back_fraction must lie in (0, 1), got "
                        f"{self.rl_held_back_fraction}")

@@ -323,6 +323,10 @@ def eval_split(cfg: ExperimentConfig, tasks: Optional[Sequence] = None):
       raise ValueError(f"rl_templates {unknown} match no RL task (their templates: "
                        f"{sorted(map(str, known))})")
     train = [t for t in train if t.metadata.get("template") in cfg.rl_templates]
+  if cfg.rl_fresh_tasks:
+    train += suite_repo.generate_fresh(all_tasks, seed=cfg.seed + 3,
+                                       per_template=cfg.rl_fresh_tasks,
+                                       templates=tuple(cfg.rl_templates) or suite_repo.TEMPLATES)
   return all_tasks, train[:cfg.train_tasks], evaluated[:cfg.heldout_tasks], name
 
 

@@ -3,6 +3,7 @@ records show episodes, tokens and a non-zero loss every step, and the weights mo
 from rewards that vary within groups (non-zero advantages and policy gradient every step, with
 the router loss off), and the run directory holds what the README promises."""
 
+import collections
 import dataclasses
 import json
 import os
@@ -174,6 +175,29 @@ def test_rl_templates_filter_rl_tasks_only():
     run_lib.eval_split(ExperimentConfig(**repo, rl_templates=("rename", "nope")))
   with pytest.raises(ValueError, match="tuple of template names"):
     ExperimentConfig(**repo, rl_templates="rename")
+
+
+def test_rl_fresh_tasks_add_new_repositories_to_rl_only():
+  from experiment.config import AgentConfig  # pylint: disable=g-import-not-at-top
+  repo = dict(model=TINY, suite="repo", agent=AgentConfig(max_context_tokens=100),
+              validation_fraction=0.15, rl_tasks="held_back", rl_templates=("helper", "op"))
+  all_tasks, rl, evaluated, _ = run_lib.eval_split(ExperimentConfig(**repo))
+  f_all, f_rl, f_eval, _ = run_lib.eval_split(ExperimentConfig(**repo, rl_fresh_tasks=10))
+  fresh = [t for t in f_rl if t.task_id.startswith("repo-fresh-")]
+  # The held-back tasks as before, then fresh ones of the RL templates only; the corpus's and
+  # the evaluated split's tasks are unchanged, and no fresh task is any of theirs.
+  assert [t.task_id for t in f_rl[:len(rl)]] == [t.task_id for t in rl]
+  assert len(f_rl) == len(rl) + len(fresh) and len(fresh) > 10
+  assert collections.Counter(t.metadata["template"] for t in fresh)["helper"] == 10
+  assert {t.metadata["template"] for t in fresh} == {"helper", "op"}
+  assert [(t.task_id, t.split) for t in f_all] == [(t.task_id, t.split) for t in all_tasks]
+  assert [t.task_id for t in f_eval] == [t.task_id for t in evaluated]
+  known = {tuple(sorted(t.metadata["fix"].items())) for t in all_tasks}
+  assert not known & {tuple(sorted(t.metadata["fix"].items())) for t in fresh}
+  with pytest.raises(ValueError, match="rl_fresh_tasks"):
+    ExperimentConfig(**repo, rl_fresh_tasks=-1)
+  with pytest.raises(ValueError, match="rl_fresh_tasks"):
+    ExperimentConfig(model=TINY, rl_fresh_tasks=5)  # the pyfunc suite has no fresh tasks
 
 
 def test_first_visit_trend_counts_only_steps_with_new_tasks():

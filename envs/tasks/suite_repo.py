@@ -353,46 +353,96 @@ def generate(seed: int = 0, per_template: int = 80, names: str = "standard"
   test assertion or a fix, and the split is a function of the combination, so a held-out task's
   repository, failing test and fix never appear in the train split.
   """
-  namer = _Names(names)
+  namer, seen = _Names(names), _Seen()
   tasks = []
-  used_fixes: set[tuple] = set()
-  used_asserts: set[str] = set()
   for template in TEMPLATES:
-    rng = random.Random(f"{SUITE}-{template}-{seed}")
-    seen: set[tuple] = set()
-    n, tries = 0, 0
-    while n < per_template:
-      tries += 1
-      if tries > per_template * 50:
-        raise ValueError(f"template {template}: only {n} distinct tasks; lower per_template")
-      instructions, files, hidden, visible, meta = _BUILDERS[template](rng, namer)
-      if not _edits_apply(files, meta):
-        continue
-      key = tuple(meta["key"])
-      fix = tuple(sorted(meta["fix"].items()))
-      asserts = [l.strip() for l in files[visible[0]].splitlines() if "assert " in l]
-      if key in seen or fix in used_fixes or any(a in used_asserts for a in asserts):
-        continue  # Every repository, failing assertion and fix is the suite's only one.
-      seen.add(key)
-      used_fixes.add(fix)
-      used_asserts.update(asserts)
-      split = "test" if _stable_hash(template, *key) < _TEST_SHARE else "train"
-      if namer.random:
-        split = "train"
-      tasks.append(task_format.from_dict({
-          "task_id": f"{SUITE}-{'random-' if namer.random else ''}{template}-{n:03d}",
-          "instructions": instructions,
-          "files": files,
-          "hidden_tests": hidden,
-          "visible_tests": visible,
-          "grading": "all_pass",
-          "limits": {k: getattr(LIMITS, k) for k in
-                     ("timeout_s", "memory_mb", "max_turns", "max_tokens", "wall_s")},
-          "split": split,
-          "suite": SUITE,
-          "metadata": meta,
-      }))
-      n += 1
+    tasks += _draw(template, seed, per_template, namer, seen, exact=True,
+                   prefix=f"{SUITE}-{'random-' if namer.random else ''}{template}",
+                   split=None if not namer.random else "train")
+  return tasks
+
+
+def generate_fresh(suite: list[task_format.Task], seed: int, per_template: int,
+                   templates: tuple[str, ...] = TEMPLATES) -> list[task_format.Task]:
+  """More train tasks with the suite's names, none of which is any of `suite`'s.
+
+  Up to `per_template` tasks of each of `templates` (fewer where the template's combinations run
+  out: op's fixes are unique by module and operator pair, so the suite's 80 leave it almost
+  none), ids `repo-fresh-<template>-<n>`, split "train". None shares a combination, a visible
+  assertion or a fix with a task of `suite` (any split: held-out, validation or train) or with
+  another: the same guarantee the suite gives between its train and held-out splits, so
+  training on them never shows a held-out repository, failing test or fix. What they share
+  with the suite is its name lists, as its own train and held-out tasks do. Deterministic in
+  `seed`; use another seed than the suite's.
+  """
+  seen = _Seen()
+  for t in suite:
+    if t.suite == SUITE and "key" in t.metadata:
+      seen.add(t.metadata["template"], t.metadata, t.files[t.visible_tests[0]])
+  tasks = []
+  for template in templates:
+    if template not in _BUILDERS:
+      raise ValueError(f"unknown template {template!r}; known: {TEMPLATES}")
+    tasks += _draw(template, seed, per_template, _Names("standard"), seen, exact=False,
+                   prefix=f"{SUITE}-fresh-{template}", split="train")
+  return tasks
+
+
+class _Seen:
+  """The combinations, fixes and visible assertions already drawn."""
+
+  def __init__(self):
+    self.keys: set[tuple] = set()
+    self.fixes: set[tuple] = set()
+    self.asserts: set[str] = set()
+
+  @staticmethod
+  def _parts(template, meta, visible_text):
+    asserts = [l.strip() for l in visible_text.splitlines() if "assert " in l]
+    return (template, *map(str, meta["key"])), tuple(sorted(meta["fix"].items())), asserts
+
+  def taken(self, template, meta, visible_text) -> bool:
+    key, fix, asserts = self._parts(template, meta, visible_text)
+    return key in self.keys or fix in self.fixes or any(a in self.asserts for a in asserts)
+
+  def add(self, template, meta, visible_text) -> None:
+    key, fix, asserts = self._parts(template, meta, visible_text)
+    self.keys.add(key)
+    self.fixes.add(fix)
+    self.asserts.update(asserts)
+
+
+def _draw(template: str, seed: int, count: int, namer: _Names, seen: _Seen, *, exact: bool,
+          prefix: str, split: str | None) -> list[task_format.Task]:
+  """`count` new tasks of `template` (fewer when not `exact` and the tries run out); `split`
+  None: the suite's split by the combination's hash."""
+  rng = random.Random(f"{SUITE}-{template}-{seed}")
+  tasks, tries = [], 0
+  while len(tasks) < count:
+    tries += 1
+    if tries > count * 50:
+      if not exact:
+        break
+      raise ValueError(f"template {template}: only {len(tasks)} distinct tasks; lower "
+                       "per_template")
+    instructions, files, hidden, visible, meta = _BUILDERS[template](rng, namer)
+    if not _edits_apply(files, meta) or seen.taken(template, meta, files[visible[0]]):
+      continue  # Every repository, failing assertion and fix is the suite's only one.
+    seen.add(template, meta, files[visible[0]])
+    key = tuple(meta["key"])
+    tasks.append(task_format.from_dict({
+        "task_id": f"{prefix}-{len(tasks):03d}",
+        "instructions": instructions,
+        "files": files,
+        "hidden_tests": hidden,
+        "visible_tests": visible,
+        "grading": "all_pass",
+        "limits": {k: getattr(LIMITS, k) for k in
+                   ("timeout_s", "memory_mb", "max_turns", "max_tokens", "wall_s")},
+        "split": split or ("test" if _stable_hash(template, *key) < _TEST_SHARE else "train"),
+        "suite": SUITE,
+        "metadata": meta,
+    }))
   return tasks
 
 

@@ -94,6 +94,43 @@ def test_random_names_are_made_up_and_the_suite_unchanged():
   assert len(many) > 1000 and not many & set(sys.stdlib_module_names)
 
 
+FRESH = suite_repo.generate_fresh(TASKS, seed=3, per_template=40,
+                                  templates=("helper", "imports", "op", "rename"))
+
+
+def _parts(t):
+  asserts = {l.strip() for l in t.files[t.visible_tests[0]].splitlines() if "assert " in l}
+  return ((t.metadata["template"], *map(str, t.metadata["key"])),
+          tuple(sorted(t.metadata["fix"].items())), asserts)
+
+
+def test_fresh_tasks_are_none_of_the_suites_and_use_its_names():
+  """RL's extra tasks (experiment rl_fresh_tasks): no combination, visible assertion or fix of
+  any suite task, held-out ones included, nor of each other; the suite's names; all train."""
+  per = collections.Counter(t.metadata["template"] for t in FRESH)
+  assert per["helper"] == per["imports"] == 40  # large spaces: as many as asked
+  assert 0 < per["op"] < 40 and 0 < per["rename"] < 40  # spaces the suite nearly used up
+  assert "const" not in per
+  assert all(t.split == "train" and t.task_id.startswith("repo-fresh-") for t in FRESH)
+  assert len({t.task_id for t in FRESH}) == len(FRESH)
+  keys, fixes, asserts = set(), set(), set()
+  for t in TASKS:
+    k, f, a = _parts(t)
+    keys.add(k), fixes.add(f), asserts.update(a)
+  for t in FRESH:
+    k, f, a = _parts(t)
+    assert k not in keys and f not in fixes and not a & asserts, t.task_id
+    keys.add(k), fixes.add(f), asserts.update(a)  # nor one another's
+  suite_names = {n for t in TASKS for n in t.files}
+  assert all(set(t.files) <= suite_names for t in FRESH)
+  # Deterministic, and the suite itself is unchanged by drawing them.
+  assert suite_repo.generate_fresh(TASKS, seed=3, per_template=40,
+                                   templates=("helper", "imports", "op", "rename")) == FRESH
+  assert suite_repo.generate() == TASKS
+  with pytest.raises(ValueError, match="unknown template"):
+    suite_repo.generate_fresh(TASKS, seed=3, per_template=1, templates=("nope",))
+
+
 def test_oracle_plans_use_only_what_the_agent_can_know():
   """A plan opens only files the instructions name (or their tests, test_<name>.py), unless an
   earlier step listed the files or ran the tests: the transcripts must not teach the model to
@@ -113,7 +150,7 @@ def test_oracle_plans_use_only_what_the_agent_can_know():
 
 
 def test_oracle_fix_passes_hidden_tests_untouched_and_wrong_fail(pool):
-  for t in TASKS + RANDOM[::3]:
+  for t in TASKS + RANDOM[::3] + FRESH[::8]:
     fixed = reward.grade(t, suite_repo.solved_files(t), pool=pool)
     assert (fixed.status, fixed.reward) == ("ok", 1.0), (t.task_id, fixed.detail,
                                                          fixed.outcomes)
