@@ -94,8 +94,10 @@ def _save_model(model, tokenizer, directory: str, eos_token_ids: Sequence[int] =
         directory, special_tokens.token_ids(tokenizer, eos_token_ids))
 
 
-def _eval(model, tasks, cfg: ExperimentConfig, pool, out_path: str, progress=None,
-          tokenizer=None, eos_token_ids: tuple = (), chat=None):
+def evaluate_tasks(model, tasks, cfg: ExperimentConfig, pool, out_path: str, progress=None,
+                   tokenizer=None, eos_token_ids: tuple = (), chat=None):
+  """(report, passing samples, samples) of `model` on `tasks`, scored as the run scores its
+  evaluated split (cfg.eval, cfg.agent's loop); per-task results written to `out_path`."""
   e = cfg.eval
   report = evaluate_lib.evaluate(
       model, tasks, n=e.samples, k_list=e.k_list, temperature=e.temperature,
@@ -435,9 +437,9 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
     # -- 2. held-out evaluation before RL ------------------------------------------------------
     t0 = time.time()
     if evaluate:
-      before, b_pass, b_total = _eval(model, heldout, cfg, pool,
-                                      os.path.join(run_dir, "eval_before.jsonl"), tokenizer=tok,
-                                      eos_token_ids=eos, chat=chat)
+      before, b_pass, b_total = evaluate_tasks(
+          model, heldout, cfg, pool, os.path.join(run_dir, "eval_before.jsonl"), tokenizer=tok,
+          eos_token_ids=eos, chat=chat)
       rep.log("eval", 0, {"pass1": b_pass / b_total, "passed": b_pass, "samples": b_total,
                           **{f"pass@{k}": v for k, v in before.pass_at_k.items()
                              if v is not None}}, advance=0)
@@ -535,9 +537,9 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
     # -- 4. held-out evaluation after RL ------------------------------------------------------
     t0 = time.time()
     if evaluate:
-      after, a_pass, a_total = _eval(rl_learner.model(), heldout, cfg, pool,
-                                     os.path.join(run_dir, "eval_after.jsonl"), tokenizer=tok,
-                                     eos_token_ids=eos, chat=chat)
+      after, a_pass, a_total = evaluate_tasks(
+          rl_learner.model(), heldout, cfg, pool, os.path.join(run_dir, "eval_after.jsonl"),
+          tokenizer=tok, eos_token_ids=eos, chat=chat)
       rep.log("eval", max(r.steps, 1), {
           "pass1": a_pass / a_total, "passed": a_pass, "samples": a_total,
           **{f"pass@{k}": v for k, v in after.pass_at_k.items() if v is not None}}, advance=0)
