@@ -64,13 +64,6 @@ class PipelineConfig:
     negative_advantage_scale: multiplies the GRPO advantages of below-average attempts
       (rl.objectives.group_advantages): 1 is GRPO, 0 trains only on the attempts that did better
       than their group's mean.
-    turn_cost: the share of its reward an attempt that passed loses for each turn after its
-      first, down to half (pipeline.episodes.training_reward), so of two attempts that both
-      fixed the repository the one that needed fewer turns (fixed sooner, submitted rather than
-      ran out of turns) is the better one, and a group whose attempts all passed carries that
-      signal instead of none. Failed and hack-flagged attempts are never charged: a charge
-      would give a group that all failed a gradient toward failing fast. 0 (the default): the
-      graded reward.
   """
 
   max_staleness: int = 2
@@ -89,7 +82,6 @@ class PipelineConfig:
   seed: int = 0
   filter_zero_variance_groups: bool = False
   negative_advantage_scale: float = 1.0
-  turn_cost: float = 0.0
   grader: str = "local"
   grader_hosts: int = 2
   grader_pool: int = 2
@@ -112,7 +104,6 @@ class PipelineConfig:
          f"({self.batch_rows})")
     need(0.0 <= self.negative_advantage_scale <= 1.0,
          f"negative_advantage_scale must lie in [0, 1], got {self.negative_advantage_scale}")
-    need(0.0 <= self.turn_cost <= 0.5, f"turn_cost must lie in [0, 0.5], got {self.turn_cost}")
     need(self.grader in GRADERS, f"grader must be one of {GRADERS}, got {self.grader!r}")
     need(self.grader_hosts >= 1 and self.grader_pool >= 1,
          "grader_hosts and grader_pool must be >= 1")

@@ -267,8 +267,7 @@ class RolloutController:
     turns, calls = [], []
     infra = hacked = summarised = saw_fail = fixed = 0
     for j, tr in enumerate(trajs):
-      ep = episodes_lib.from_trajectory(tr, group_id=gid, episode_id=f"{gid}-a{j}", group_size=n,
-                                        turn_cost=self.cfg.turn_cost)
+      ep = episodes_lib.from_trajectory(tr, group_id=gid, episode_id=f"{gid}-a{j}", group_size=n)
       eps.append(ep)
       if ep.infra_failure:
         infra += 1

@@ -108,32 +108,12 @@ def _segment_routing(seg) -> Optional[np.ndarray]:
   return r.astype(np.uint8)
 
 
-def training_reward(traj, turn_cost: float = 0.0) -> float:
-  """The reward RL trains `traj` with: the graded reward, less `turn_cost` of it for each turn
-  after the first when the attempt passed every hidden test unflagged, never below half of it.
-
-  Why: the graded reward is the same for an attempt that fixed the repository in two turns and
-  submitted and one that fixed it in five and ran out of turns, so nothing teaches fixing sooner
-  (episodes that run out of turns grew under RL: BENCHMARKS.md, "Agentic RL"). Failed attempts
-  are never charged (a group that all failed would learn to fail fast), nor flagged ones (their
-  penalty stands as graded). The floor keeps a passing attempt above any failed one.
-  """
-  if not 0.0 <= turn_cost <= 0.5:
-    raise ValueError(f"turn_cost must lie in [0, 0.5], got {turn_cost}")
-  reward = float(traj.reward)
-  if turn_cost == 0.0 or traj.test_reward != 1.0 or traj.hack_flags:
-    return reward
-  return reward * max(0.5, 1.0 - turn_cost * max(traj.num_turns - 1, 0))
-
-
-def from_trajectory(traj, *, group_id: str, episode_id: str, group_size: int,
-                    turn_cost: float = 0.0) -> Episode:
+def from_trajectory(traj, *, group_id: str, episode_id: str, group_size: int) -> Episode:
   """The Episode of one attempt run by the harness (envs.harness.attempts).
 
   Args:
     traj: an envs.harness.trajectory.Trajectory.
     group_id / episode_id / group_size: as in `from_completion`.
-    turn_cost: see `training_reward` (0: the episode's reward is the graded one).
 
   An attempt the infrastructure lost (status "infra_error": the sandbox or every sampler
   failed) is kept, flagged and masked, so its group completes; so is one without a single model
@@ -164,5 +144,5 @@ def from_trajectory(traj, *, group_id: str, episode_id: str, group_size: int,
   return Episode(
       group_id=group_id, episode_id=episode_id, group_size=group_size,
       tokens=np.asarray(tokens, np.int32), loss_mask=mask, behaviour_logprobs=logp,
-      policy_versions=versions, reward=training_reward(traj, turn_cost), routing=routing,
+      policy_versions=versions, reward=float(traj.reward), routing=routing,
       infra_failure=False, hack_flags=hack_flags, segment_lengths=lengths)

@@ -9,7 +9,6 @@ import threading
 import numpy as np
 import pytest
 
-from envs.harness import trajectory as trajectory_lib
 from pipeline import episodes as episodes_lib
 from pipeline.config import PipelineConfig
 from pipeline.step_batches import StepBatcher
@@ -144,45 +143,6 @@ def test_negative_advantage_scale_damps_below_average_attempts(tmp_path):
       [-0.25] * 3 + [1.0] * 3
   with pytest.raises(ValueError, match="negative_advantage_scale"):
     PipelineConfig(negative_advantage_scale=-0.5)
-
-
-def _graded(turns, test_reward=1.0, reward=None, hack_flags=None):
-  return trajectory_lib.Trajectory(
-      task_id="t", segments=[], tool_calls=[], status="ok",
-      reward=test_reward if reward is None else reward, test_reward=test_reward,
-      hack_flags=hack_flags or {}, finish_reason="submitted", num_turns=turns, timings={})
-
-
-def test_turn_cost_ranks_passing_attempts_by_turns_and_never_charges_a_failure(tmp_path):
-  tr = episodes_lib.training_reward
-  assert [tr(_graded(t), 0.1) for t in (1, 3, 5)] == pytest.approx([1.0, 0.8, 0.6])
-  assert tr(_graded(20), 0.1) == 0.5  # never below half: a pass stays above every failure
-  assert tr(_graded(5, test_reward=0.0), 0.1) == 0.0
-  assert tr(_graded(5, test_reward=0.5), 0.1) == 0.5  # a partial pass is not a pass
-  flagged = _graded(5, reward=-1.0, hack_flags={"conftest_added": ["conftest.py"]})
-  assert tr(flagged, 0.1) == -1.0  # its penalty stands as graded
-  assert tr(_graded(5), 0.0) == 1.0
-  with pytest.raises(ValueError, match="turn_cost"):
-    tr(_graded(2), 0.7)
-  with pytest.raises(ValueError, match="turn_cost"):
-    PipelineConfig(turn_cost=-0.1)
-  # A group whose two attempts both passed, in 2 and in 5 turns: no signal (filtered) on the
-  # graded reward; with a turn cost the faster attempt is the one trained (positive only).
-  for cost, want in ((0.0, None), (0.1, [1.0] * 3)):
-    d = tmp_path / f"cost{cost}"
-    w = TrajectoryWriter(str(d), "c", records_per_shard=2)
-    w.write_all([_episode("a", 0, tr(_graded(2), cost)), _episode("a", 1, tr(_graded(5), cost))])
-    w.close()
-    cfg = PipelineConfig(max_staleness=1, prompts_per_step=1, attempts=2, seq_len=32,
-                         batch_rows=2, filter_zero_variance_groups=True,
-                         negative_advantage_scale=0.0, turn_cost=cost)
-    batch, info = StepBatcher(str(d), config=cfg, spec=SPEC).next_batch(0)
-    if want is None:
-      assert info["zero_variance_groups"] == 1 and not batch["advantages"].any()
-    else:
-      assert info["zero_variance_groups"] == 0 and info["signal_groups"] == 1
-      adv = batch["advantages"][batch["loss_mask"] == 1].round(3).tolist()
-      assert sorted(adv) == [0.0] * 3 + want  # the 2-turn attempt +1, the 5-turn one 0
 
 
 def test_row_buckets_cut_the_batch_to_the_rows_its_episodes_fill(tmp_path):
