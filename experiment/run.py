@@ -59,6 +59,14 @@ def write_corpus(docs: list, directory: str) -> list:
   return paths
 
 
+def _sampler_work(totals: dict) -> dict:
+  """Where the RL samplers' time went (their engines' counters summed): device calls, their
+  seconds, prompt tokens prefilled and tokens generated."""
+  keys = ("prefill_calls_total", "prefill_seconds_total", "prompt_tokens_total",
+          "decode_calls_total", "decode_seconds_total", "generated_tokens_total")
+  return {k[:-len("_total")]: round(float(totals.get(k, 0)), 2) for k in keys}
+
+
 def _engine_config(cfg: ExperimentConfig, slots: int, eos_token_ids: tuple = ()) -> EngineConfig:
   """The samplers' engine; `eos_token_ids` (a checkpoint's, e.g. a chat model's <|im_end|>) end
   every completion besides the tokenizer's EOS."""
@@ -70,10 +78,14 @@ def _engine_config(cfg: ExperimentConfig, slots: int, eos_token_ids: tuple = ())
   # combination (seconds each on a CPU; they dominated a multi-turn evaluation). Deterministic
   # mode runs every call at the engine's full shapes (all slots, the whole cache, the full
   # block table), so only the prompt-length buckets compile, and sampling depends on the seed
-  # alone.
+  # alone. One prompt a prefill call: agent turns reach the engine one to three at a time (each
+  # when its tool call returns), so calls padded to the default 8 rows computed ~6x the prompt
+  # positions they held; calls of one row keep the shapes fixed and do only the prompts' work
+  # (BENCHMARKS.md, "Agentic RL", "Sampler shapes").
   window = cfg.model.max_seq_len
   return EngineConfig(max_slots=slots, max_len=window, decode_steps=16, deterministic=True,
-                      min_prefill_len=max(16, window // 16), eos_token_ids=tuple(eos_token_ids))
+                      min_prefill_len=max(16, window // 16), prefill_rows=1,
+                      eos_token_ids=tuple(eos_token_ids))
 
 
 def _save_model(model, tokenizer, directory: str, eos_token_ids: Sequence[int] = ()) -> None:
@@ -521,6 +533,7 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
                    "saw_failing_test": c["saw_failing_test"],
                    "fixed_after_failure": c["fixed_after_failure"],
                    "prefix_cache_hit_rate": round(result.samplers["prefix_cache_hit_rate"], 4),
+                   "sampler": _sampler_work(result.samplers),
                    "overflow_episodes": result.batcher["overflow_episodes"],
                    "feedback": _feedback_trend(feedback),
                    "first_visit": _first_visit_trend(first_visits),
