@@ -131,12 +131,16 @@ class _Names:
       return rng.choice([n for n in names if n not in avoid] if avoid else names)
     return self._word(rng, names[0].isupper(), set(avoid))
 
-  def sample(self, rng: random.Random, names, k: int) -> list:
+  def sample(self, rng: random.Random, names, k: int, avoid=()) -> list:
+    """k distinct names, none in `avoid`."""
     if not self.random:
+      if set(avoid) & set(names):
+        raise ValueError(f"standard names {sorted(set(avoid) & set(names))} cannot be avoided "
+                         "without changing the suite's draws")
       return rng.sample(names, k)
     out: list = []
     while len(out) < k:
-      out.append(self._word(rng, names[0].isupper(), set(out)))
+      out.append(self._word(rng, names[0].isupper(), set(out) | set(avoid)))
     return out
 
 
@@ -176,8 +180,12 @@ def _meta(template: str, key: tuple, fix: dict, *, direct: list, tests_first: li
 def _const(rng: random.Random, names: _Names):
   kind = rng.choice(sorted(_CONST_KINDS))
   fns, body, f, probe = _CONST_KINDS[kind]
-  mod, cfg, k, fn = (names.pick(rng, _MODS), names.pick(rng, _CFGS), names.pick(rng, _CONSTS),
-                     names.pick(rng, fns))
+  # Each name avoids those it must differ from: made-up names are drawn independently, and a
+  # config module named like the module would overwrite it (the standard lists are disjoint,
+  # so their draws are unchanged).
+  mod = names.pick(rng, _MODS)
+  cfg = names.pick(rng, _CFGS, avoid=(mod,))
+  k, fn = names.pick(rng, _CONSTS), names.pick(rng, fns)
   other = names.pick(rng, _CONSTS, avoid=(k,))
   new = rng.randint(2, 60)
   old = rng.choice([v for v in range(2, 61) if v != new])
@@ -215,7 +223,11 @@ def _const(rng: random.Random, names: _Names):
 
 
 def _helper(rng: random.Random, names: _Names):
-  mod, util, fn = names.pick(rng, _MODS), names.pick(rng, _UTILS), names.pick(rng, _FNS)
+  # The helper module must not be the module (one file would overwrite the other) nor share the
+  # function's name (`def util` would shadow `import util`); see _const.
+  mod = names.pick(rng, _MODS)
+  util = names.pick(rng, _UTILS, avoid=(mod,))
+  fn = names.pick(rng, _FNS, avoid=(util,))
   right, decoy = rng.sample(sorted(_HELPERS), 2)
   typo = _typo(right, rng, _HELPERS)
   r_f, d_f = _HELPERS[right][1], _HELPERS[decoy][1]
@@ -285,7 +297,7 @@ def _op(rng: random.Random, names: _Names):
 
 def _imports(rng: random.Random, names: _Names):
   mod, fn = names.pick(rng, _MODS), names.pick(rng, _FNS)
-  lib, decoy = names.sample(rng, _UTILS, 2)
+  lib, decoy = names.sample(rng, _UTILS, 2, avoid=(mod,))  # neither is the module (_const)
   missing = _typo(lib, rng, _UTILS)  # So the listing shows which module was meant.
   h, other = rng.sample(sorted(_HELPERS), 2)
   h_f = _HELPERS[h][1]

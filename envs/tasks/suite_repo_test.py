@@ -94,6 +94,22 @@ def test_random_names_are_made_up_and_the_suite_unchanged():
   assert len(many) > 1000 and not many & set(sys.stdlib_module_names)
 
 
+def test_made_up_names_never_collide_within_a_task():
+  """Made-up names are drawn independently, so two roles could get one word: a module named like
+  its helper or config module (one file overwrote the other: seed 2's repo-random-helper-058
+  had no helper file, and its oracle transcript could not be written). Every role that must
+  differ does, for many draws: each task has all its files, and the helper's function is not
+  its module's name."""
+  files_per_template = {"const": 3, "helper": 3, "op": 2, "imports": 4, "rename": 2}
+  for seed in range(1, 5):
+    for t in suite_repo.generate(seed=seed, per_template=100, names="random"):
+      meta = t.metadata
+      assert len(t.files) == files_per_template[meta["template"]], (t.task_id, sorted(t.files))
+      if meta["template"] == "helper":
+        util, fn = meta["key"][0], meta["key"][4]
+        assert util != fn and f"{util}.py" in t.files, t.task_id
+
+
 FRESH = suite_repo.generate_fresh(TASKS, seed=3, per_template=40,
                                   templates=("helper", "imports", "op", "rename"))
 
