@@ -102,6 +102,10 @@ class RLConfig:
       over `sampler_tensor`, for a model that does not fit one device; 1 x 1 is one device.
       A sampler then takes num_samplers x sampler_replicas x expert x tensor devices in all.
     sampler_slots: decode slots per engine.
+    sampler_prefill_rows: prompts per prefill call of the repository suite's engines, which
+      run deterministic (fixed shapes: every call has exactly this many rows); 1 suits agent
+      turns, which reach the engine one to three at a time (BENCHMARKS.md, "Agentic RL",
+      "Sampler shapes"). Evaluation's engines always use 1.
   """
   steps: int = 60
   pipeline: PipelineConfig = PipelineConfig()
@@ -111,8 +115,12 @@ class RLConfig:
   sampler_expert: int = 1
   sampler_tensor: int = 1
   sampler_slots: int = 64
+  sampler_prefill_rows: int = 1
 
   def __post_init__(self):
+    if self.sampler_prefill_rows < 1:
+      raise ValueError(f"RLConfig.sampler_prefill_rows must be >= 1, got "
+                       f"{self.sampler_prefill_rows}")
     if self.steps < 0 or self.num_samplers < 1 or self.sampler_replicas < 1:
       raise ValueError("RLConfig: need steps >= 0, num_samplers >= 1 and sampler_replicas >= 1")
     if self.sampler_expert < 1 or self.sampler_tensor < 1:

@@ -67,9 +67,11 @@ def _sampler_work(totals: dict) -> dict:
   return {k[:-len("_total")]: round(float(totals.get(k, 0)), 2) for k in keys}
 
 
-def _engine_config(cfg: ExperimentConfig, slots: int, eos_token_ids: tuple = ()) -> EngineConfig:
+def _engine_config(cfg: ExperimentConfig, slots: int, eos_token_ids: tuple = (),
+                   prefill_rows: int = 1) -> EngineConfig:
   """The samplers' engine; `eos_token_ids` (a checkpoint's, e.g. a chat model's <|im_end|>) end
-  every completion besides the tokenizer's EOS."""
+  every completion besides the tokenizer's EOS; `prefill_rows` as RLConfig.sampler_prefill_rows
+  (the repository suite only)."""
   if cfg.suite == "pyfunc":
     return EngineConfig(max_slots=slots, max_len=cfg.model.max_seq_len, decode_steps=16,
                         eos_token_ids=tuple(eos_token_ids))
@@ -78,13 +80,12 @@ def _engine_config(cfg: ExperimentConfig, slots: int, eos_token_ids: tuple = ())
   # combination (seconds each on a CPU; they dominated a multi-turn evaluation). Deterministic
   # mode runs every call at the engine's full shapes (all slots, the whole cache, the full
   # block table), so only the prompt-length buckets compile, and sampling depends on the seed
-  # alone. One prompt a prefill call: agent turns reach the engine one to three at a time (each
-  # when its tool call returns), so calls padded to the default 8 rows computed ~6x the prompt
-  # positions they held; calls of one row keep the shapes fixed and do only the prompts' work
-  # (BENCHMARKS.md, "Agentic RL", "Sampler shapes").
+  # alone. One prompt a prefill call by default: agent turns reach the engine one to three at a
+  # time (each when its tool call returns), so calls padded to 8 rows computed ~6x the prompt
+  # positions they held (BENCHMARKS.md, "Agentic RL", "Sampler shapes").
   window = cfg.model.max_seq_len
   return EngineConfig(max_slots=slots, max_len=window, decode_steps=16, deterministic=True,
-                      min_prefill_len=max(16, window // 16), prefill_rows=1,
+                      min_prefill_len=max(16, window // 16), prefill_rows=prefill_rows,
                       eos_token_ids=tuple(eos_token_ids))
 
 
@@ -497,6 +498,7 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
                  hack_flagged=info["hack_flagged"],
                  staleness_mean=info["mean_lag"], staleness_max=info["max_lag"],
                  trained_episodes=info["trained_episodes"], learner_wait_s=info["wait_s"],
+                 batch_rows=info["rows"],
                  gen_tokens=sum(g.gen_tokens for g in groups),
                  infra_failures=sum(g.infra_failures for g in groups))
       turns = [x for g in groups for x in g.turns]
@@ -517,7 +519,8 @@ def run(cfg: ExperimentConfig, run_dir: str, *, progress: bool = True,
           config=r.pipeline, num_steps=r.steps, num_samplers=r.num_samplers,
           sampler_replicas=r.sampler_replicas, sampler_expert=r.sampler_expert,
           sampler_tensor=r.sampler_tensor,
-          engine_config=_engine_config(cfg, r.sampler_slots, eos), on_step=on_step,
+          engine_config=_engine_config(cfg, r.sampler_slots, eos, r.sampler_prefill_rows),
+          on_step=on_step,
           on_group=on_group, loop_config=cfg.agent.loop_config(r.pipeline.max_new_tokens, chat),
           tokenizer=tok)
       rep.end_phase()

@@ -262,6 +262,38 @@ def test_sampler_replicas_must_fit_the_samplers_share_of_the_devices():
 
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_agent_engines_prefill_the_configured_prompts_a_call(rows):
+  """The repository suite's engines are deterministic and every prefill call holds at most
+  RLConfig.sampler_prefill_rows prompts (agent turns arrive one to three at a time, so wider
+  calls mostly compute padding): four prompts queued together take ceil(4 / rows) calls, and
+  each prompt's completion is what it is alone."""
+  from rollout.engine import Engine, SamplingParams  # pylint: disable=g-import-not-at-top
+  from experiment.config import AgentConfig  # pylint: disable=g-import-not-at-top
+  cfg = ExperimentConfig(model=TINY.replace(max_seq_len=64), suite="repo",
+                         agent=AgentConfig(max_context_tokens=48),
+                         rl=RLConfig(sampler_prefill_rows=rows,
+                                     pipeline=PipelineConfig(max_staleness=1, seq_len=64)))
+  ec = run_lib._engine_config(cfg, 4, prefill_rows=cfg.rl.sampler_prefill_rows)
+  assert ec.deterministic and ec.prefill_rows == rows
+  prompts = [[1, 5, 9, 2], [1, 7], [1, 3, 3, 8, 4, 6], [1, 2, 2]]
+  sp = SamplingParams(max_tokens=5, temperature=1.0, seed=3)
+  eng = Engine(build.create(TINY.replace(max_seq_len=64), seed=0), config=ec)
+  try:
+    handles = eng.submit_batch(prompts, sp)  # queued at once: one prompt-length bucket
+    together = [h.result(120)[0].token_ids for h in handles]
+    assert eng.stats["prefill_calls_total"] == -(-len(prompts) // rows)
+    alone = [eng.submit(p, sp).result(120)[0].token_ids for p in prompts]
+  finally:
+    eng.stop()
+  assert together == alone
+
+
+def test_rl_config_rejects_prefill_rows_below_one():
+  with pytest.raises(ValueError, match="sampler_prefill_rows"):
+    RLConfig(sampler_prefill_rows=0)
+
+
 def test_agentic_experiment_end_to_end(tmp_path):
   """The repository suite as agent.gin runs it: a BPE tokenizer trained on the corpus,
   pre-training on code and agent transcripts in its tokens, multi-turn evaluation and multi-turn
@@ -313,6 +345,11 @@ def test_agentic_experiment_end_to_end(tmp_path):
   assert rl["episodes_trained"] == 4 and rl["mean_turns"] >= 1
   # Later turns of an episode continue the previous request: the samplers' prefix cache hit.
   assert rl["prefix_cache_hit_rate"] > 0, rl
+  # Where the samplers' time went: one prompt a prefill call, so at least a call an episode.
+  work = rl["sampler"]
+  assert work["prefill_calls"] >= rl["episodes_generated"] and work["decode_calls"] > 0, work
+  assert work["prompt_tokens"] > 0 and work["generated_tokens"] > 0, work
+  assert work["prefill_seconds"] > 0 and work["decode_seconds"] > 0, work
   evals = [json.loads(l) for l in open(tmp_path / "eval_before.jsonl")]
   assert all(r["mode"] == "agent" for r in evals)
   # Each saved model has the tokenizer's vocabulary and its tokenizer.json beside it.

@@ -130,7 +130,8 @@ class StepBatcher:
     with a non-zero advantage: the rest give the policy gradient nothing), zero_variance_groups
     (groups with valid attempts that all got the same reward), zero_variance_filtered (those of
     them left out of the batch), hack_flagged (attempts envs.hacks flagged), max_lag, mean_lag,
-    and this step's stale_episodes, rejected_episodes, infra_failures and lost_episodes.
+    this step's stale_episodes, rejected_episodes, infra_failures and lost_episodes, and rows
+    (the batch's rows after the cut to a bucket: rows x seq_len positions are computed).
     """
     got = self._take(self.cfg.episodes_per_step, stop or threading.Event())
     if got is None:
@@ -207,7 +208,8 @@ class StepBatcher:
             "mean_lag": float(np.mean(lags)) if lags else 0.0,
             "stale_episodes": self.stats.stale_episodes - before[0],
             "rejected_episodes": sum(self._log.counts.values()) - before[1],
-            "infra_failures": self.stats.infra_failures - before[2], "lost_episodes": lost}
+            "infra_failures": self.stats.infra_failures - before[2], "lost_episodes": lost,
+            "rows": int(batch["tokens"].shape[0])}
     return batch, info
 
   # -- packing -------------------------------------------------------------------------------

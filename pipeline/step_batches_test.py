@@ -159,14 +159,15 @@ def test_row_buckets_cut_the_batch_to_the_rows_its_episodes_fill(tmp_path):
         **base, filter_zero_variance_groups=filtering, row_buckets=4), spec=SPEC).next_batch(0)
     assert full["tokens"].shape == (4, 32)
     assert info["trained_episodes"] == (2 if filtering else 5)
+    assert info["rows"] == want_rows  # what the learner computes: rows x seq_len positions
     for name, a in cut.items():
       assert a.shape[0] == want_rows, name
       np.testing.assert_array_equal(a, full[name][:want_rows], err_msg=name)
       assert not full[name][want_rows:].any(), name  # nothing trained was cut
   # Two buckets of two rows: the filtered step's one row is rounded up to two.
-  half, _ = StepBatcher(str(tmp_path), config=PipelineConfig(
+  half, info = StepBatcher(str(tmp_path), config=PipelineConfig(
       **base, filter_zero_variance_groups=True, row_buckets=2), spec=SPEC).next_batch(0)
-  assert half["tokens"].shape == (2, 32)
+  assert half["tokens"].shape == (2, 32) and info["rows"] == 2
   with pytest.raises(ValueError, match="row_buckets"):
     PipelineConfig(**dict(base, batch_rows=6), row_buckets=4)
 
