@@ -415,10 +415,14 @@ def idle_memory(n: int) -> dict:
 
 def run(*, latency_n: int, cold_n: int, bursts: tuple[int, ...], concurrency: int,
         pool_size: int, max_live: int, idle_n: int, b2b_n: int, b2b_rounds: int,
-        profile_n: int, cpu_n: int) -> dict:
+        profile_n: int, cpu_n: int, namespace_n: int = 0,
+        namespace_settle_s: float = 2.0) -> dict:
   out = {"host": {"cpus": os.cpu_count(), "load1": os.getloadavg()[0]},
          "concurrency": concurrency}
   out["profile"] = sustained.start_profile(profile_n)
+  if namespace_n:
+    out["profile"]["namespace_cost"] = sustained.namespace_cost(namespace_n,
+                                                                namespace_settle_s)
   with PreforkedPython() as server:
     b2b = sustained.back_to_back(b2b_n, b2b_rounds, server)
   out["back_to_back"] = b2b
@@ -518,11 +522,12 @@ def main(argv: list[str] | None = None) -> int:
   args = ap.parse_args(argv)
   if args.quick:
     res = run(latency_n=10, cold_n=5, bursts=(10,), concurrency=4, pool_size=2, max_live=6,
-              idle_n=2, b2b_n=10, b2b_rounds=1, profile_n=5, cpu_n=5)
+              idle_n=2, b2b_n=10, b2b_rounds=1, profile_n=5, cpu_n=5, namespace_n=20,
+              namespace_settle_s=0.2)
   else:
     res = run(latency_n=200, cold_n=50, bursts=(100, 1000), concurrency=args.concurrency,
               pool_size=args.pool_size, max_live=args.max_live, idle_n=8, b2b_n=30,
-              b2b_rounds=10, profile_n=50, cpu_n=200)
+              b2b_rounds=10, profile_n=50, cpu_n=200, namespace_n=500)
   print(to_markdown(res))
   if args.json:
     with open(args.json, "w") as f:

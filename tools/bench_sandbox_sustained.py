@@ -12,6 +12,11 @@
     and the teardown. What the previous design spent per start is measured beside it: bwrap
     with the namespaces and mounts it was run with, exec'ing /usr/bin/true, and a fresh
     interpreter importing what the zygote imports.
+  * what a network namespace costs the kernel (`namespace_cost`): a child interpreter forks n
+    processes that each unshare a user namespace, with and without a network namespace, and
+    exit; the whole host's CPU time (/proc/stat) over the loop and until the kernel's workers
+    have finished the namespaces' deferred teardown, less an idle window as long: what every
+    sandbox's own network namespace adds, which cpuacct below does not see.
   * CPU per episode (where cgroup v1 cpuacct is writable, i.e. as root): the benchmark moves
     itself into a fresh cpuacct cgroup, which every process it then starts joins (the spawn
     helper and so every sandbox's processes, plain interpreters, the fork server), and reads the
@@ -163,6 +168,52 @@ def start_profile(n: int) -> dict:
   return out
 
 
+# Forks argv[1] processes that unshare the namespaces in argv[2] (a CLONE_* mask) and exit.
+_UNSHARE_LOOP = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+n, flags = int(sys.argv[1]), int(sys.argv[2])
+for _ in range(n):
+  pid = os.fork()
+  if pid == 0:
+    os._exit(0 if libc.unshare(flags) == 0 else 1)
+  if os.waitpid(pid, 0)[1] != 0:
+    sys.exit("unshare failed: " + os.strerror(ctypes.get_errno()))
+"""
+_CLONE_NEWUSER, _CLONE_NEWNET = 0x10000000, 0x40000000
+
+
+def _host_cpu_s() -> float:
+  """CPU seconds the whole host has spent busy (user, nice, system, irq, softirq, steal)."""
+  with open("/proc/stat") as f:
+    v = [int(x) for x in f.readline().split()[1:]]
+  return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def namespace_cost(n: int, settle_s: float = 2.0) -> dict | None:
+  """Host CPU ms per process that unshares a user namespace, and one with a network namespace
+  too (see the module docstring), each the median of 3 runs of n; None where unprivileged
+  user namespaces are not allowed. Needs a quiet host: every process's CPU is counted."""
+  def host_ms(flags: int) -> float:
+    t0, c0 = time.perf_counter(), _host_cpu_s()
+    subprocess.run([PYTHON, "-c", _UNSHARE_LOOP, str(n), str(flags)], check=True,
+                   capture_output=True)
+    time.sleep(settle_s)  # The deferred teardown of the last namespaces.
+    busy, wall = _host_cpu_s() - c0, time.perf_counter() - t0
+    c1 = _host_cpu_s()
+    time.sleep(wall)  # The same window with nothing running: the host's own background.
+    return (busy - (_host_cpu_s() - c1)) / n * 1e3
+  try:
+    host_ms(_CLONE_NEWUSER)
+  except subprocess.CalledProcessError:
+    return None
+  out = {}
+  for name, flags in (("user", _CLONE_NEWUSER), ("user_net", _CLONE_NEWUSER | _CLONE_NEWNET)):
+    out[name] = statistics.median(host_ms(flags) for _ in range(3))
+  out["n"] = n
+  return out
+
+
 def _old_design(n: int) -> dict:
   """p50 wall ms of the previous start's two parts, as the sandbox uid (where bwrap exists)."""
   kw = {}
@@ -278,6 +329,13 @@ def markdown(b2b: dict, prof: dict, cpu: dict | None = None) -> tuple[list[str],
   prof_lines += [f"| episode step: {k} | {v:.2f} |" for k, v in prof["steps_ms"].items()]
   prof_lines += [f"| previous design, for comparison: {k} | {v:.2f} |"
                  for k, v in prof["old_ms"].items()]
+  ns = prof.get("namespace_cost")
+  if ns:
+    prof_lines.append(
+        f"| host CPU ms (/proc/stat, kernel workers included) of a process that unshares a user "
+        f"and a network namespace, less one that unshares the user namespace alone ({ns['n']} "
+        f"each, median of 3 runs; every sandbox has its own network namespace) | "
+        f"{ns['user_net'] - ns['user']:.2f} |")
   if cpu:
     prof_lines.append(f"| CPU ms per run of the previous design's interpreter start (cpuacct) | "
                       f"{cpu['old_interpreter']:.2f} |")

@@ -98,6 +98,13 @@ def test_quick_run_reports_like_for_like_rows_from_its_samples(tmp_path, capsys)
   assert all(v > 0 for v in res["profile"]["cpu_ms"].values())
   assert any("interpreter" in k for k in res["profile"]["old_ms"])
   assert "Start profile (5 sandboxes" in text
+  # What a network namespace costs the host (kernel workers included), per process, beside a
+  # user namespace alone; both runs measured, the row shows their difference.
+  ns = res["profile"]["namespace_cost"]
+  assert ns["n"] == 20 and all(isinstance(ns[k], float) for k in ("user", "user_net")), ns
+  row = re.search(r"\| host CPU ms .*less one that unshares the user namespace alone \(20 "
+                  r"each.*\| (-?[\d.]+) \|", text)
+  assert row and float(row.group(1)) == round(ns["user_net"] - ns["user"], 2), text
 
 
 if __name__ == "__main__":
