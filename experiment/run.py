@@ -81,8 +81,8 @@ def _engine_config(cfg: ExperimentConfig, slots: int, eos_token_ids: tuple = (),
   # mode runs every call at the engine's full shapes (all slots, the whole cache, the full
   # block table), so only the prompt-length buckets compile, and sampling depends on the seed
   # alone. One prompt a prefill call by default: agent turns reach the engine one to three at a
-  # time (each when its tool call returns), so calls padded to 8 rows computed ~6x the prompt
-  # positions they held (BENCHMARKS.md, "Agentic RL", "Sampler shapes").
+  # time (each when its tool call returns), so calls padded to 8 rows were mostly padding
+  # (BENCHMARKS.md, "Agentic RL", "Sampler shapes").
   window = cfg.model.max_seq_len
   return EngineConfig(max_slots=slots, max_len=window, decode_steps=16, deterministic=True,
                       min_prefill_len=max(16, window // 16), prefill_rows=prefill_rows,
