@@ -176,10 +176,12 @@ n, flags = int(sys.argv[1]), int(sys.argv[2])
 for _ in range(n):
   pid = os.fork()
   if pid == 0:
-    os._exit(0 if libc.unshare(flags) == 0 else 1)
-  if os.waitpid(pid, 0)[1] != 0:
-    sys.exit("unshare failed: " + os.strerror(ctypes.get_errno()))
+    os._exit(0 if libc.unshare(flags) == 0 else ctypes.get_errno() or 255)
+  status = os.waitpid(pid, 0)[1]
+  if status != 0:
+    sys.exit("unshare failed: " + os.strerror(os.waitstatus_to_exitcode(status)))
 """
+# envs/sandbox/spawner.py's values (it runs as a script beside the zygote, not importable here).
 _CLONE_NEWUSER, _CLONE_NEWNET = 0x10000000, 0x40000000
 
 
