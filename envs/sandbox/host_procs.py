@@ -19,8 +19,21 @@ from envs.sandbox import hostcheck
 
 
 def cgroup_write(path: str, value: str) -> None:
-  with open(path, "w") as f:
-    f.write(value)
+  fd = os.open(path, os.O_WRONLY)
+  try:
+    os.write(fd, value.encode())
+  finally:
+    os.close(fd)
+
+
+def read_small(path: str) -> bytes:
+  """A small file's contents (cgroup and /proc files), without a text file object: the host
+  reads a few per episode."""
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    return os.read(fd, 1 << 16)
+  finally:
+    os.close(fd)
 
 
 class SandboxProcess:
@@ -145,8 +158,7 @@ def empty_cgroup(path: str, ctl: str, deadline: float) -> bool:
       left = read_int(os.path.join(path, "pids.current"))
     else:
       try:
-        with open(os.path.join(path, "cgroup.procs")) as f:
-          left = len(f.read().split())
+        left = len(read_small(os.path.join(path, "cgroup.procs")).split())
       except OSError:
         left = 0
     if not left:
@@ -171,19 +183,17 @@ def kill_cgroup(path: str) -> None:
 
 def read_int(path: str) -> int:
   try:
-    with open(path) as f:
-      return int(f.read().split()[0])
+    return int(read_small(path).split()[0])
   except (OSError, ValueError, IndexError):
     return 0
 
 
 def read_pids_events(path: str) -> int:
   try:
-    with open(os.path.join(path, "pids.events")) as f:
-      for line in f:
-        k, v = line.split()
-        if k == "max":
-          return int(v)
+    for line in read_small(os.path.join(path, "pids.events")).splitlines():
+      k, v = line.split()
+      if k == b"max":
+        return int(v)
   except (OSError, ValueError):
     pass
   return 0

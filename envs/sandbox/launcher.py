@@ -156,8 +156,12 @@ class Launcher:
 def _pidfd_pid(pidfd: int) -> int:
   """The pid, in this process's PID namespace, of the process a pidfd refers to (the helper
   knows only its own namespace's)."""
-  with open(f"/proc/self/fdinfo/{pidfd}") as f:
-    for line in f:
-      if line.startswith("Pid:"):
-        return int(line.split()[1])
+  fd = os.open(f"/proc/self/fdinfo/{pidfd}", os.O_RDONLY)
+  try:
+    info = os.read(fd, 1 << 16)
+  finally:
+    os.close(fd)
+  for line in info.splitlines():
+    if line.startswith(b"Pid:"):
+      return int(line.split()[1])
   raise SpawnError("no pid in the pidfd's fdinfo")

@@ -88,7 +88,14 @@ class WarmPool:
     self.launcher = launcher_lib.Launcher(self.features, self.opt_dir, self.root,
                                           namespaces=not self.degraded)
     self._idle: collections.deque[slot_lib.Slot] = collections.deque()
-    self._cv = threading.Condition()
+    # Two conditions on one lock, so each change wakes only the threads it concerns: an idle
+    # slot appeared (`_ready`: acquire, wait_warm) or a spawner may have work (`_wanted`: a slot
+    # was taken or is gone, the target grew). One condition notified to all woke every waiting
+    # episode and spawner for each change: dozens of futex sleeps per episode in a burst.
+    self._lock = threading.Lock()
+    self._ready = threading.Condition(self._lock)
+    self._wanted = threading.Condition(self._lock)
+    self._warm = threading.Condition(self._lock)  # Any idle slot appeared (wait_warm).
     self._live = 0  # idle + in use + starting
     self._starting = 0
     self._closed = False
@@ -128,15 +135,15 @@ class WarmPool:
 
   def _spawn_loop(self) -> None:
     while True:
-      with self._cv:
+      with self._lock:
         while not self._closed:
           shrink_in = self._shrink()
           if len(self._idle) + self._starting >= self.target or self._live >= self.max_live:
-            self._cv.wait(shrink_in)
+            self._wanted.wait(shrink_in)
             continue
           defer = self._last_acquire + self.refill_delay_s - time.monotonic()
           if self._idle and defer > 0 and self.target <= self.size:
-            self._cv.wait(defer)
+            self._wanted.wait(defer)
             continue
           break
         if self._closed:
@@ -154,13 +161,13 @@ class WarmPool:
         self.last_spawn_error = str(e)
         if slot is not None:
           slot.cleanup()  # Here, not queued: close() may have stopped the teardown threads.
-        with self._cv:
+        with self._lock:
           self._starting -= 1
           self._live -= 1
-          self._cv.notify_all()
+          self._wanted.notify()
         time.sleep(0.05)
         continue
-      with self._cv:
+      with self._lock:
         self._starting -= 1
         self.stats["spawned"] += 1
         closed = self._closed
@@ -168,7 +175,8 @@ class WarmPool:
           self._live -= 1
         else:
           self._idle.append(slot)
-        self._cv.notify_all()
+          self._ready.notify()
+          self._warm.notify_all()
       if closed:
         slot.cleanup()  # As above.
 
@@ -186,14 +194,14 @@ class WarmPool:
         self.stats["cleanup_failures"] += 1
       finally:
         if counted:
-          with self._cv:
+          with self._lock:
             self._live -= 1
-            self._cv.notify_all()
+            self._wanted.notify()
 
   def acquire(self, timeout_s: float | None = 60.0) -> slot_lib.Slot:
     """Returns a ready, unused sandbox; blocks while none is idle."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    with self._cv:
+    with self._lock:
       if not self._idle and not self._closed:
         # A miss: demand outran the refill. Keep more slots ready from now on.
         self.stats["misses"] += 1
@@ -201,59 +209,63 @@ class WarmPool:
         if self.target < self.max_idle:
           self.target += 1
           self.stats["grown"] += 1
-        self._cv.notify_all()
+        self._wanted.notify()
       while True:
         if self._closed:
           raise slot_lib.SlotError("pool is closed")
         while self._idle:
           slot = self._idle.popleft()
-          self._cv.notify_all()
+          self._wanted.notify()  # One idle slot fewer: a spawner may start its replacement.
           if slot.alive():
             self.stats["acquired"] += 1
             self._last_acquire = time.monotonic()
+            if self._idle:
+              self._ready.notify()  # Passed on, in case this wait took another's wake-up.
             return slot
           self._live -= 1
           self._teardown.put(slot)
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
           raise slot_lib.SlotError(f"no sandbox became ready in {timeout_s}s")
-        self._cv.wait(left)
+        self._ready.wait(left)
 
   def release(self, slot: slot_lib.Slot) -> None:
     """Destroys a used sandbox: kills it now; in the background, waits until its processes are
     gone, then no longer counts it against `max_live` and removes its files."""
     slot.kill()
-    with self._cv:
+    with self._lock:
       self.stats["released"] += 1
     self._teardown.put((slot, True))
 
   def wait_warm(self, timeout_s: float = 30.0) -> None:
     """Blocks until `target` sandboxes are idle (for benchmarks and tests)."""
     deadline = time.monotonic() + timeout_s
-    with self._cv:
+    with self._lock:
       while len(self._idle) < self.target:
         left = deadline - time.monotonic()
         if left <= 0:
           raise slot_lib.SlotError(f"pool did not warm up in {timeout_s}s")
-        self._cv.wait(left)
+        self._warm.wait(left)
 
   def idle_pids(self) -> list[int]:
     """Host pids of the idle sandboxes' outer processes (for memory accounting)."""
-    with self._cv:
+    with self._lock:
       return [s.pid for s in self._idle]
 
   def idle_count(self) -> int:
-    with self._cv:
+    with self._lock:
       return len(self._idle)
 
   def close(self) -> None:
-    with self._cv:
+    with self._lock:
       if self._closed:
         return
       self._closed = True
       idle = list(self._idle)
       self._idle.clear()
-      self._cv.notify_all()
+      self._ready.notify_all()
+      self._wanted.notify_all()
+      self._warm.notify_all()
     for slot in idle:
       slot.kill()
       self._teardown.put(slot)

@@ -140,13 +140,12 @@ class Slot:
     self.opt_dir = launcher.opt_dir
     self.features = features
     self.degraded = degraded
-    self.dir = os.path.join(root, f"slot-{self.id}")
-    self.workspace = os.path.join(self.dir, "ws")
-    os.makedirs(self.workspace)
+    # The slot's directory is its workspace (bind-mounted at /workspace), under the pool's root.
+    self.dir = self.workspace = os.path.join(root, f"slot-{self.id}")
+    os.mkdir(self.workspace)
     self.uid = hostcheck.SANDBOX_UID if features.is_root else os.geteuid()
     if features.is_root:
       os.chown(self.workspace, self.uid, self.uid)
-      os.chown(self.dir, self.uid, self.uid)
     self.cgroups = {}
     for ctl, parent in (("memory", features.cgroup_memory), ("pids", features.cgroup_pids)):
       if parent:

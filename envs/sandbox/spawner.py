@@ -38,6 +38,7 @@ descriptors]; the reply {"id"} with [pidfd of Z], or {"id", "error"}. With "prof
 and the zygote's ready message carry {phase: time.perf_counter()} marks and CPU seconds.
 """
 
+import _signal
 import ctypes
 import fcntl
 import gc
@@ -58,6 +59,15 @@ if sys.argv[1:2] != ["--probe"]:
   import zygote  # pylint: disable=g-import-not-at-top  # Beside this file; stdlib only.
 
 _libc = ctypes.CDLL(None, use_errno=True)
+# Resolved here, once: ctypes builds a function's wrapper object on its first use, and a fork
+# that did that would build it (and copy the memory it writes) again in every sandbox.
+for _name in ("mount", "umount2", "unshare", "setns", "sethostname", "prctl", "syscall"):
+  getattr(_libc, _name)
+del _name
+# Read here, once, for the same reason (the kernel's value, the same inside every sandbox).
+with open("/proc/sys/kernel/cap_last_cap") as _f:
+  _CAP_LAST = int(_f.read())
+del _f
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWCGROUP = 0x02000000
@@ -179,9 +189,7 @@ def _drop_privileges():
   _write("/proc/sys/user/max_user_namespaces", "1")
   _check(_libc.unshare(CLONE_NEWUSER), "unshare the final user namespace")
   _map_ids(SANDBOX_UID, 0, 0)
-  with open("/proc/sys/kernel/cap_last_cap") as f:
-    last = int(f.read())
-  for cap in range(last + 1):
+  for cap in range(_CAP_LAST + 1):
     _check(_libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), "drop the bounding set")
   _check(_libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), "clear ambient caps")
   header = struct.pack("Ii", 0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
@@ -191,13 +199,12 @@ def _drop_privileges():
 
 
 def _close_fds_except(keep):
-  for name in os.listdir("/proc/self/fd"):
-    fd = int(name)
-    if fd not in keep:
-      try:
-        os.close(fd)
-      except OSError:
-        pass
+  """Closes every descriptor but `keep` (close_range(2) over the gaps: no list to build)."""
+  low = 0
+  for fd in sorted(keep) + [1 << 30]:
+    if fd > low:
+      os.closerange(low, fd)
+    low = fd + 1
 
 
 def _become_zygote(ctl_r, ctl_w, *, ns_mode, workspace, profile=None):
@@ -210,9 +217,9 @@ def _become_zygote(ctl_r, ctl_w, *, ns_mode, workspace, profile=None):
   zygote.WORKSPACE = workspace
   zygote.PROFILE = profile
   # As in a freshly started interpreter (this helper ignores both; exec'd commands would
-  # inherit an ignored SIGINT).
-  signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-  signal.signal(signal.SIGINT, signal.default_int_handler)
+  # inherit an ignored SIGINT). _signal: see _sandbox.
+  _signal.signal(_signal.SIGCHLD, _signal.SIG_DFL)
+  _signal.signal(_signal.SIGINT, _signal.default_int_handler)
   code = 0
   try:
     zygote.Zygote(ns_mode=ns_mode).serve()
@@ -227,7 +234,9 @@ def _sandbox(req, ctl_r, ctl_w, cgroup_fds, ns):
   try:
     if "profile" in req:
       req["profile"] = {"z_forked": time.perf_counter()}
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    # _signal, not signal: signal.signal's enum conversions would touch (and so copy) dozens
+    # of the helper's pages in every sandbox.
+    _signal.signal(_signal.SIGCHLD, _signal.SIG_DFL)
     for fd in cgroup_fds:
       os.write(fd, b"0")  # This process; allowed by the opener's (the host's) credentials.
       os.close(fd)
@@ -316,6 +325,10 @@ def serve(sock, *, ns, nproc_cap):
   signal.signal(signal.SIGCHLD, signal.SIG_IGN)
   me = os.getpid()
   live = {}  # pid -> pidfd of each degraded sandbox (namespaced ones end with this process)
+  if ns:
+    # Every namespaced sandbox's workspace is /workspace: set the commands' environment once
+    # here, not in each command process.
+    zygote.command_process.use_default_env("/workspace")
   gc.collect()
   gc.freeze()  # Keep collections in the forks from writing to (and so copying) these pages.
   while True:

@@ -22,6 +22,7 @@ list_files, ping. File operations run here, inside the sandbox, so symlinks plan
 code resolve inside the sandbox's view and can never reach host paths.
 """
 
+import _signal
 import ctypes
 import gc
 import json
@@ -46,6 +47,11 @@ _MAX_FILE_BYTES = 1 << 20
 _MAX_TOTAL_BYTES = 16 << 20
 
 _libc = ctypes.CDLL(None, use_errno=True)
+_libc.prctl  # pylint: disable=pointless-statement  # Resolved once, before any fork (spawner).
+
+
+def _noop(*_):
+  pass
 
 
 def _recv(fd):
@@ -155,7 +161,8 @@ class Zygote:
     self.wake_r, self.wake_w = os.pipe()
     os.set_blocking(self.wake_w, False)
     signal.set_wakeup_fd(self.wake_w, warn_on_full_buffer=False)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
+    # _signal: signal.signal's enum conversions would touch (and so copy) dozens of pages.
+    _signal.signal(_signal.SIGCHLD, _noop)
     self.base_path = [p for p in sys.path if p and not p.startswith("/opt/envs")]
     self._pgids = set()
     self._spare = None
