@@ -162,7 +162,14 @@ def start_profile(n: int) -> dict:
          "Z (cgroups, namespaces, root file system, privileges, zygote's first fork)":
              ms([m["z_cpu"] for m in marks]),
          "host (slot, cgroups, request, ready)": ms(steps.pop("host_cpu"))}
+  # Each a fork's own: copy-on-write copies of the helper's (or the zygote's) pages and first
+  # touches of its mappings, the memory cost of starting from a fork.
+  faults = {"helper (receipt to answer, parent side of the fork)": [m["s_minflt"] for m in marks],
+            "Z (fork to ready: set-up, zygote, its first fork)": [m["z_minflt"] for m in marks],
+            "first command process (fork to ready: its set-up and warm-up)":
+                [m["spare_minflt"] for m in marks]}
   out = {"n": n, "phases_ms": phases, "cpu_ms": cpu,
+         "faults": {k: statistics.median(v) for k, v in faults.items()},
          "steps_ms": {k: ms(v) for k, v in steps.items()}}
   out["old_ms"] = _old_design(n)
   return out
@@ -328,6 +335,8 @@ def markdown(b2b: dict, prof: dict, cpu: dict | None = None) -> tuple[list[str],
       "the helper's answer):", "", "| phase | p50 ms |", "| --- | --- |"]
   prof_lines += [f"| {label} | {v:.2f} |" for label, v in prof["phases_ms"]]
   prof_lines += [f"| CPU: {k} | {v:.2f} |" for k, v in prof["cpu_ms"].items()]
+  prof_lines += [f"| page faults (p50 count, not ms): {k} | {v:.0f} |"
+                 for k, v in prof.get("faults", {}).items()]
   prof_lines += [f"| episode step: {k} | {v:.2f} |" for k, v in prof["steps_ms"].items()]
   prof_lines += [f"| previous design, for comparison: {k} | {v:.2f} |"
                  for k, v in prof["old_ms"].items()]

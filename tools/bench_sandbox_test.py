@@ -97,6 +97,12 @@ def test_quick_run_reports_like_for_like_rows_from_its_samples(tmp_path, capsys)
   assert end_to_end == max(phases.values())
   assert all(v > 0 for v in res["profile"]["cpu_ms"].values())
   assert any("interpreter" in k for k in res["profile"]["old_ms"])
+  # Page faults of each forked process of a start: counted (a fork writes to some of its
+  # pages before it is ready), and printed as counts.
+  faults = res["profile"]["faults"]
+  assert len(faults) == 3 and all(v > 0 for v in faults.values()), faults
+  for k, v in faults.items():
+    assert f"| page faults (p50 count, not ms): {k} | {v:.0f} |" in text
   assert "Start profile (5 sandboxes" in text
   # What a network namespace costs the host (kernel workers included), per process, beside a
   # user namespace alone; both runs measured, the row shows their difference.
