@@ -130,6 +130,23 @@ def test_stdin_cwd_env_and_limits_reach_the_command(pool):
     assert r.stdout == "in\n/workspace/sub\nv\n", r
 
 
+def test_a_command_sees_the_default_environment_and_only_its_own_changes(pool):
+  # The default environment is set once per pool (in the spawn helper, inherited by every
+  # zygote and command process); a command's env is applied on top, in its process only.
+  show = ["python3", "-c", "import os; print(sorted(os.environ.items()))"]
+  default = [("ENVS_AUDIT_FD", "1000"), ("ENVS_WORKSPACE", "/workspace"), ("HOME", "/tmp"),
+             ("LANG", "C.UTF-8"), ("PATH", "/usr/local/bin:/usr/bin:/bin"),
+             ("PYTHONDONTWRITEBYTECODE", "1"), ("PYTHONPATH", "/opt/envs_site")]
+  with sandbox.Sandbox({}, pool=pool) as sb:
+    for fast in (True, False):
+      r = sb.exec(show, env={"K": "v", "HOME": "/workspace"}, fast_path=fast)
+      changed = sorted(dict(default, K="v", HOME="/workspace").items())
+      assert r.stdout == f"{changed}\n", (fast, r)
+      # Nothing of that command's env reaches the next one, in this sandbox or another.
+      assert sb.exec(show, fast_path=fast).stdout == f"{default}\n", fast
+      assert sandbox.run(command=show, pool=pool, fast_path=fast).stdout == f"{default}\n", fast
+
+
 def test_exit_report_is_only_trusted_from_an_exiting_process(pool):
   # Sandboxed code can write an exit report and close its pipes, then carry on: the zygote must
   # wait for the real exit. The report descriptor never reaches exec'd programs.
