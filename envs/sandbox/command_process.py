@@ -53,9 +53,10 @@ _DEFAULT_ENV_FOR = None  # The workspace os.environ holds the default environmen
 
 
 def _close_fds_except(keep):
-  """Closes every descriptor but `keep` (close_range(2) over the gaps: no list to build)."""
+  """Closes every descriptor but `keep` (close_range(2) over the gaps: no list to build; up
+  to the descriptor limit, which bounds the loop a kernel without close_range would run)."""
   low = 0
-  for fd in sorted(keep) + [1 << 30]:
+  for fd in sorted(keep) + [max(os.sysconf("SC_OPEN_MAX"), max(keep) + 1)]:
     if fd > low:
       os.closerange(low, fd)
     low = fd + 1

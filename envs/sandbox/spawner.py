@@ -199,9 +199,10 @@ def _drop_privileges():
 
 
 def _close_fds_except(keep):
-  """Closes every descriptor but `keep` (close_range(2) over the gaps: no list to build)."""
+  """Closes every descriptor but `keep` (close_range(2) over the gaps: no list to build; up
+  to the descriptor limit, which bounds the loop a kernel without close_range would run)."""
   low = 0
-  for fd in sorted(keep) + [1 << 30]:
+  for fd in sorted(keep) + [max(os.sysconf("SC_OPEN_MAX"), max(keep) + 1)]:
     if fd > low:
       os.closerange(low, fd)
     low = fd + 1

@@ -147,6 +147,16 @@ def test_a_command_sees_the_default_environment_and_only_its_own_changes(pool):
       assert sandbox.run(command=show, pool=pool, fast_path=fast).stdout == f"{default}\n", fast
 
 
+def test_a_command_holds_no_descriptor_of_the_zygote(pool):
+  # Only its stdio, the audit pipe (1000) and, in the in-process path, the exit report pipe
+  # (1002, not inherited by exec); 3 is the listing's own. The zygote's control pipe, its other
+  # command pipes and the helper's socket are all closed before a command runs.
+  show = ["python3", "-c", "import os; print(sorted(int(x) for x in os.listdir('/proc/self/fd')))"]
+  with sandbox.Sandbox({}, pool=pool) as sb:
+    assert sb.exec(show, fast_path=True).stdout == "[0, 1, 2, 3, 1000, 1002]\n"
+    assert sb.exec(show, fast_path=False).stdout == "[0, 1, 2, 3, 1000]\n"
+
+
 def test_exit_report_is_only_trusted_from_an_exiting_process(pool):
   # Sandboxed code can write an exit report and close its pipes, then carry on: the zygote must
   # wait for the real exit. The report descriptor never reaches exec'd programs.
