@@ -147,9 +147,13 @@ def test_health_names_a_follower_left_behind_and_a_dead_sync_thread(tmp_path):
   try:
     learner.publish(1)
     learner.publish(2)
+    def behind_with_its_error():
+      # A poll records the published version before its apply fails: wait for both.
+      p = follower.health_problem(max_behind_versions=1, max_stale_s=0)
+      return p if p and "last error" in p else None
     problem = waiting.wait_until(
-        lambda: follower.health_problem(max_behind_versions=1, max_stale_s=0),
-        "the follower's health to name the versions it is behind", timeout_s=TIMEOUT_S)
+        behind_with_its_error,
+        "the follower's health to name the versions it is behind and why", timeout_s=TIMEOUT_S)
     assert "serving sharded version 0, 2 behind the published 2" in problem
     assert "engine refused the weights" in problem
     assert follower.health_problem(max_behind_versions=2, max_stale_s=0) is None
