@@ -110,8 +110,8 @@ def test_a_sampler_follows_a_sharded_store_through_a_relay(tmp_path):
   relay = threading.Thread(target=processes.run_relay, args=(work,),
                            kwargs=dict(port=port, stop=stop), daemon=True)
   relay.start()
+  source = processes.weight_source(work, [f"http://127.0.0.1:{port}"])
   try:
-    source = processes.weight_source(work, [f"http://127.0.0.1:{port}"])
     store, follower = processes.wait_for_weights(source, timeout_s=TIMEOUT_S, name="s")
     assert isinstance(follower, sharded_weights.ShardedFollower) and follower.version == 0
     for name, want in _model(0).items():
@@ -126,6 +126,7 @@ def test_a_sampler_follows_a_sharded_store_through_a_relay(tmp_path):
       np.testing.assert_array_equal(applied[0][1][name], want)
     assert store is source
   finally:
+    source.close()  # Its HTTP session and connections, before the relay goes.
     stop.set()
     relay.join(TIMEOUT_S)
 
