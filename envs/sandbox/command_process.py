@@ -52,7 +52,7 @@ _libc.prctl  # pylint: disable=pointless-statement  # Resolved once, before any 
 _DEFAULT_ENV_FOR = None  # The workspace os.environ holds the default environment for, if any.
 
 
-def _close_fds_except(keep):
+def close_fds_except(keep):
   """Closes every descriptor but `keep` (close_range(2) over the gaps: no list to build; up
   to the descriptor limit, which bounds the loop a kernel without close_range would run)."""
   low = 0
@@ -112,7 +112,7 @@ def _prepare(fds, workspace):
   os.dup2(aud_w, AUDIT_FD)
   os.dup2(status_w, STATUS_FD, inheritable=False)
   os.dup2(req_r, REQUEST_FD)
-  _close_fds_except((0, 1, 2, AUDIT_FD, STATUS_FD, REQUEST_FD))
+  close_fds_except((0, 1, 2, AUDIT_FD, STATUS_FD, REQUEST_FD))
   try:
     fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
     try:

@@ -198,21 +198,11 @@ def _drop_privileges():
   _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
 
 
-def _close_fds_except(keep):
-  """Closes every descriptor but `keep` (close_range(2) over the gaps: no list to build; up
-  to the descriptor limit, which bounds the loop a kernel without close_range would run)."""
-  low = 0
-  for fd in sorted(keep) + [max(os.sysconf("SC_OPEN_MAX"), max(keep) + 1)]:
-    if fd > low:
-      os.closerange(low, fd)
-    low = fd + 1
-
-
 def _become_zygote(ctl_r, ctl_w, *, ns_mode, workspace, profile=None):
   """Runs the zygote (imported before the fork) on the control pipe; never returns."""
   os.dup2(ctl_r, 0)
   os.dup2(ctl_w, 1)
-  _close_fds_except((0, 1, 2))
+  zygote.command_process.close_fds_except((0, 1, 2))
   if ns_mode:
     sys.path[0] = "/opt/envs"  # Where the programs are inside the sandbox.
   zygote.WORKSPACE = workspace
