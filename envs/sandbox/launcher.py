@@ -24,6 +24,7 @@ import subprocess
 import threading
 import time
 
+from envs.sandbox import host_procs
 from envs.sandbox import hostcheck
 
 
@@ -156,12 +157,7 @@ class Launcher:
 def _pidfd_pid(pidfd: int) -> int:
   """The pid, in this process's PID namespace, of the process a pidfd refers to (the helper
   knows only its own namespace's)."""
-  fd = os.open(f"/proc/self/fdinfo/{pidfd}", os.O_RDONLY)
-  try:
-    info = os.read(fd, 1 << 16)
-  finally:
-    os.close(fd)
-  for line in info.splitlines():
+  for line in host_procs.read_small(f"/proc/self/fdinfo/{pidfd}").splitlines():
     if line.startswith(b"Pid:"):
       return int(line.split()[1])
   raise SpawnError("no pid in the pidfd's fdinfo")

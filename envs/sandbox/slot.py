@@ -140,8 +140,8 @@ class Slot:
     self.opt_dir = launcher.opt_dir
     self.features = features
     self.degraded = degraded
-    # The slot's directory is its workspace (bind-mounted at /workspace), under the pool's root.
-    self.dir = self.workspace = os.path.join(root, f"slot-{self.id}")
+    # The slot's one directory, under the pool's root: its workspace (bind-mounted at /workspace).
+    self.workspace = os.path.join(root, f"slot-{self.id}")
     os.mkdir(self.workspace)
     self.uid = hostcheck.SANDBOX_UID if features.is_root else os.geteuid()
     if features.is_root:
@@ -452,7 +452,7 @@ class Slot:
           # Processes are still exiting (the kernel kills the namespace asynchronously).
           host_procs.kill_cgroup(path)
           time.sleep(0.005)
-    shutil.rmtree(self.dir, ignore_errors=True)
+    shutil.rmtree(self.workspace, ignore_errors=True)
 
   def cleanup(self) -> None:
     """Kills the sandbox, waits until its processes are gone, removes its directory and

@@ -89,6 +89,7 @@ PR_SET_NO_NEW_PRIVS = 38
 PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 _SYSCALLS = {"x86_64": {"pivot_root": 155, "capset": 126},
              "aarch64": {"pivot_root": 41, "capset": 91}}.get(os.uname().machine, {})
+WORKSPACE = "/workspace"  # Every namespaced sandbox's workspace, as its processes see it.
 SANDBOX_UID = 65534  # Inside the sandbox (the final user namespace), as bwrap's default.
 _DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 
@@ -245,7 +246,7 @@ def _sandbox(req, ctl_r, ctl_w, cgroup_fds, ns):
     os.setsid()  # bwrap's --new-session: no controlling terminal to inject input into.
     _mark(req, "z_net_uts")
     _drop_privileges()
-    os.chdir("/workspace")
+    os.chdir(WORKSPACE)
     _mark(req, "z_privileges")
   except BaseException as e:  # pylint: disable=broad-except
     _report(ctl_w, f"sandbox set-up failed: {type(e).__name__}: {e}")
@@ -254,7 +255,7 @@ def _sandbox(req, ctl_r, ctl_w, cgroup_fds, ns):
     body = json.dumps({"ok": True, "probe": True}).encode()
     os.write(ctl_w, struct.pack(">I", len(body)) + body)
     os._exit(0)
-  _become_zygote(ctl_r, ctl_w, ns_mode=True, workspace="/workspace", profile=req.get("profile"))
+  _become_zygote(ctl_r, ctl_w, ns_mode=True, workspace=WORKSPACE, profile=req.get("profile"))
 
 
 def _report(fd, error):
@@ -322,9 +323,9 @@ def serve(sock, *, ns, nproc_cap):
   me = os.getpid()
   live = {}  # pid -> pidfd of each degraded sandbox (namespaced ones end with this process)
   if ns:
-    # Every namespaced sandbox's workspace is /workspace: set the commands' environment once
+    # Every namespaced sandbox's workspace is the same: set the commands' environment once
     # here, not in each command process.
-    zygote.command_process.use_default_env("/workspace")
+    zygote.command_process.use_default_env(WORKSPACE)
   gc.collect()
   gc.freeze()  # Keep collections in the forks from writing to (and so copying) these pages.
   while True:

@@ -117,10 +117,18 @@ class _Spare:
     self.req_w = self.in_w = self.out_r = self.err_r = self.aud_r = self.status_r = -1
 
 
+def _stat_fields(path):
+  """A /proc .../stat line's fields after the command name (field 3 on)."""
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    return os.read(fd, 4096).rsplit(b")", 1)[1].split()
+  finally:
+    os.close(fd)
+
+
 def _minflt_of(pid):
   """Page faults of a process of the sandbox so far (/proc/PID/stat field 10), for a profile."""
-  with open(f"/proc/{pid}/stat", "rb") as f:
-    return int(f.read().rsplit(b")", 1)[1].split()[7])
+  return int(_stat_fields(f"/proc/{pid}/stat")[7])
 
 
 def _task_state(pid):
@@ -130,13 +138,9 @@ def _task_state(pid):
   try:
     for tid in os.listdir(f"/proc/{pid}/task"):
       try:
-        fd = os.open(f"/proc/{pid}/task/{tid}/stat", os.O_RDONLY)
+        fields = _stat_fields(f"/proc/{pid}/task/{tid}/stat")
       except FileNotFoundError:
         continue  # That thread has finished exiting since the listing.
-      try:
-        fields = os.read(fd, 4096).rsplit(b")", 1)[1].split()
-      finally:
-        os.close(fd)
       if fields[0] in (b"Z", b"X"):
         states.add("zombie")
       else:
